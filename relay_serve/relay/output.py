@@ -1,0 +1,131 @@
+"""The output of one generation as it grows: token ids, who wrote each, the decoded text, the runs
+of text each model wrote, user stop strings, and what is safe to stream.
+
+Text is always the decoding of the committed token ids (never an engine's own, stop-truncated
+text), so the context handed to the next segment and the text the client sees cannot drift apart.
+Knows nothing of Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from relay_serve.relay.types import ModelRole, TextCodec, TraceSegment
+
+_WINDOW = 8  # tokens of left context used to decode new tokens (byte-level merges, multi-byte chars)
+
+
+@dataclass
+class _Run:
+    model: ModelRole
+    start: int
+    cue: str | None
+    forced: bool
+
+
+class Output:
+    def __init__(self, codec: TextCodec, user_stops: list[str] | None = None) -> None:
+        self.codec = codec
+        self.user_stops = [s for s in (user_stops or []) if s]
+        self.holdback = max((len(s) for s in self.user_stops), default=1) - 1
+        self.ids: list[int] = []
+        self.owners: list[ModelRole] = []
+        self.starts: list[int] = []  # character offset where each token's text begins
+        self.text = ""
+        self._pending = 0  # trailing tokens whose text is not decodable yet (a split UTF-8 char)
+        self._stop_checked = 0  # no user stop starts before this offset
+        self._emitted = 0
+        self.stopped = False  # a user stop string ended the output
+        self._runs: list[_Run] = []
+
+    # ---- growing -------------------------------------------------------------------------------
+
+    def start_run(self, model: ModelRole, cue: str | None = None, forced: bool = False) -> None:
+        """Begin a new trace segment unless ``model`` already writes the current one."""
+        if self._runs and self._runs[-1].model == model and cue is None and not forced:
+            return
+        if self._runs and self._runs[-1].start == len(self.text):
+            self._runs.pop()  # the previous run never wrote anything
+        self._runs.append(_Run(model, len(self.text), cue, forced))
+
+    def append(self, token_ids: list[int], model: ModelRole) -> None:
+        """Commit tokens written by ``model``; applies user stop strings."""
+        if self.stopped or not token_ids:
+            return
+        if not self._runs or self._runs[-1].model != model:
+            self.start_run(model)
+        for tid in token_ids:
+            self.ids.append(tid)
+            self.owners.append(model)
+            self.starts.append(len(self.text))
+            self._pending += 1
+            self._decode_pending()
+        self._apply_user_stops()
+
+    def _decode_pending(self) -> None:
+        n = len(self.ids)
+        lo = max(0, n - self._pending - _WINDOW)
+        before = self.codec.decode(self.ids[lo : n - self._pending])
+        full = self.codec.decode(self.ids[lo:n])
+        if full.endswith("\ufffd") and self._pending < 4:
+            return  # wait for the rest of a multi-byte character
+        new = full[len(before) :] if full.startswith(before) else full
+        start = len(self.text)
+        for i in range(n - self._pending, n):
+            self.starts[i] = start
+        self.text += new
+        self._pending = 0
+
+    def _apply_user_stops(self) -> None:
+        if not self.user_stops:
+            return
+        hits = [p for s in self.user_stops if (p := self.text.find(s, self._stop_checked)) != -1]
+        if hits:
+            self.truncate(min(hits))
+            self.stopped = True
+        else:
+            self._stop_checked = max(0, len(self.text) - self.holdback)
+
+    def truncate(self, cut: int) -> None:
+        """Drop the text from ``cut`` on and every token that starts there or later."""
+        keep = sum(1 for s in self.starts if s < cut)
+        del self.ids[keep:], self.owners[keep:], self.starts[keep:]
+        self.text = self.text[:cut]
+        self._pending = 0
+        while len(self._runs) > 1 and self._runs[-1].start >= cut:
+            self._runs.pop()
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    def count(self, model: ModelRole) -> int:
+        return sum(1 for m in self.owners if m == model)
+
+    def take_stream_delta(self, final: bool = False, hold_last_token: bool = False) -> str:
+        """Text not yet streamed that no later user stop (nor, with ``hold_last_token``, the
+        take-back of the last token) can take back."""
+        if final or self.stopped:
+            safe = len(self.text)
+        else:
+            safe = len(self.text) - self.holdback
+            if hold_last_token and self.starts:
+                safe = min(safe, self.starts[-1])
+            safe = max(self._emitted, safe)
+        delta = self.text[self._emitted : safe]
+        self._emitted = safe
+        return delta
+
+    def trace(self) -> list[TraceSegment]:
+        """The runs, tiling the text: each starts where the previous one ends."""
+        out: list[TraceSegment] = []
+        for i, run in enumerate(self._runs):
+            end = self._runs[i + 1].start if i + 1 < len(self._runs) else len(self.text)
+            tokens = sum(1 for s in self.starts if run.start <= s < end) if end > run.start else 0
+            if i + 1 == len(self._runs):
+                tokens = sum(1 for s in self.starts if s >= run.start)
+            if tokens == 0 and end == run.start:
+                continue
+            if out and out[-1].model == run.model and run.cue is None and not run.forced:
+                out[-1].end, out[-1].tokens = end, out[-1].tokens + tokens
+                continue
+            out.append(TraceSegment(model=run.model, start=run.start, end=end, tokens=tokens, cue=run.cue, forced=run.forced))
+        return out

@@ -1,0 +1,213 @@
+"""Who writes the next segment: RelayGen, the single-model baselines, and Speculative Thinking.
+
+Each policy is a small state machine over a :class:`~relay_serve.relay.session.Session`; the session
+runs the engine requests and keeps the books. Knows nothing of Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from relay_serve.relay.session import SegmentOutcome, Session, SmallModelUnavailable
+from relay_serve.relay.text import SENTENCE_STOPS, cue_stop_strings, find_cue
+from relay_serve.relay.types import ModelRole
+
+THINK_CLOSE = "</think>"
+PolicyName = Literal["relay", "large", "small", "speculative-thinking"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("relay", "large", "small", "speculative-thinking")
+
+
+class PolicySettings(BaseModel):
+    """Settings of the policies (the ``policy`` section of the app config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_small_segment_tokens: int = Field(64, ge=1, description="a small-model sentence is cut after this many tokens")
+    min_large_tokens: int = Field(5, ge=0, description="tokens the large model writes before a cue may stop it again")
+    think_close: str = Field(THINK_CLOSE, description="the string that ends the reasoning")
+    answer_reserve_tokens: int = Field(
+        0, ge=0, description="tokens of max_tokens kept for the answer when the reasoning runs long"
+    )
+    draft_tokens: int = Field(20, ge=1, description="speculative-thinking: tokens the small model drafts at a paragraph break")
+    large_stretch_tokens: int = Field(
+        256, ge=1, description="speculative-thinking: at most this many tokens per large-model stretch"
+    )
+    reflection_words: list[str] = Field(
+        default_factory=lambda: ["wait", "alternatively", "hold on", "check", "verify", "hmm"],
+        description="speculative-thinking: a draft holding one of these hands the stretch to the large model",
+    )
+
+
+class SingleModel:
+    """One model writes everything: the ``large`` and ``small`` baselines."""
+
+    def __init__(self, model: ModelRole) -> None:
+        self.model = model
+
+    async def run(self, s: Session) -> None:
+        out = await s.segment(self.model, [], s.left)
+        s.finish(out.finish_reason)
+
+
+class RelayGen:
+    """RelayGen: the large model reasons and hands each sentence opened by a cue to the small model,
+    which also writes the whole answer after the reasoning ends."""
+
+    def __init__(self, settings: PolicySettings, cues: list[str]) -> None:
+        self.settings = settings
+        self.cues = list(cues)
+        self.cue_stops = cue_stop_strings(self.cues)
+        self.small_stops = list(SENTENCE_STOPS) + [settings.think_close]
+        self.small_ok = True
+
+    async def run(self, s: Session) -> None:
+        state = "answer" if self._closed(s) else "think"
+        while state == "think" and not s.done:
+            cue = await self.large_turn(s)
+            if cue is None:
+                break
+            state = await self.small_sentence(s, cue)
+        if s.done or state == "ended":
+            return
+        if not self._closed(s):
+            if s.left <= 0:
+                s.finish("length")
+                return
+            s.force_text(self.settings.think_close, self._answerer, cue=self.settings.think_close)
+            await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
+            return
+        await self.answer(s, cue=self.settings.think_close)
+
+    @property
+    def _answerer(self) -> ModelRole:
+        return "small" if self.small_ok else "large"
+
+    def _closed(self, s: Session) -> bool:
+        return self.settings.think_close in s.output.text
+
+    def _reasoning_budget(self, s: Session) -> int:
+        return s.left - self.settings.answer_reserve_tokens
+
+    async def large_turn(self, s: Session) -> str | None:
+        """The large model writes until a real cue after ``min_large_tokens`` of its own tokens.
+
+        Returns that cue; None when the reasoning closed, its budget ran out or the output ended.
+        """
+        stops = (self.cue_stops if self.small_ok else []) + [self.settings.think_close]
+        written = 0
+        while (budget := self._reasoning_budget(s)) > 0:
+            out = await s.segment("large", stops, budget)
+            written += len(out.token_ids)
+            if s.done or self._closed(s):
+                return None
+            if out.hit_eos:
+                s.finish("stop")
+                return None
+            if not out.hit_stop_string:
+                return None  # the reasoning budget is spent
+            cue = self._cue_at_end(s, out)
+            if cue is not None and written >= self.settings.min_large_tokens:
+                return cue
+            # a raw substring that is no cue ("know," for "now,"), or a cue too soon: go on
+        return None
+
+    def _cue_at_end(self, s: Session, out: SegmentOutcome) -> str | None:
+        """The real cue that ends inside this segment's text (the one that stopped the engine)."""
+        text = s.output.text
+        pos = max(0, out.text_start - max((len(c) for c in self.cues), default=0))
+        last = None
+        while (match := find_cue(text, self.cues, pos)) is not None:
+            last, pos = match, match.start + 1
+        return None if last is None or last.end <= out.text_start else last.cue
+
+    async def small_sentence(self, s: Session, cue: str) -> str:
+        """The small model finishes the sentence the cue opened.
+
+        Returns "answer" when it closed the reasoning, "ended" when the output ended, else "think".
+        """
+        budget = min(self.settings.max_small_segment_tokens, self._reasoning_budget(s))
+        if budget <= 0:
+            return "think"
+        try:
+            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True)
+        except SmallModelUnavailable as e:
+            self._degrade(s, str(e))
+            return "think"
+        if s.done:
+            return "ended"
+        if self._closed(s):
+            return "answer"
+        if out.hit_eos:
+            s.finish("stop")
+            return "ended"
+        return "think"
+
+    def _degrade(self, s: Session, reason: str) -> None:
+        self.small_ok = False
+        s.usage.degraded = True
+        s.usage.degraded_reason = reason
+
+    async def answer(self, s: Session, cue: str | None) -> None:
+        if s.left <= 0:
+            s.finish("length")
+            return
+        try:
+            out = await s.segment(self._answerer, [], s.left, cue=cue)
+        except SmallModelUnavailable as e:
+            self._degrade(s, str(e))
+            out = await s.segment("large", [], s.left, cue=cue)
+        s.finish(out.finish_reason)
+
+
+class SpeculativeThinking:
+    """The Speculative Thinking baseline: the small model leads; at each paragraph break it drafts a
+    few tokens, and a draft that holds a reflection word is thrown away and the large model writes
+    that stretch (to the next paragraph break) instead."""
+
+    BREAK = "\n\n"
+
+    def __init__(self, settings: PolicySettings) -> None:
+        self.settings = settings
+        words = "|".join(re.escape(w) for w in settings.reflection_words)
+        self.reflection = re.compile(rf"(?<![\w])(?:{words})(?![\w])", re.IGNORECASE)
+        self.stops = [self.BREAK, settings.think_close]
+
+    async def run(self, s: Session) -> None:
+        close = self.settings.think_close
+        out = await s.segment("small", self.stops, s.left)
+        while not s.done and close not in s.output.text:
+            if out.hit_eos:
+                s.finish("stop")
+                return
+            if s.left <= 0:
+                s.finish("length")
+                return
+            if out.hit_stop_string:  # at a paragraph break
+                out = await self.next_stretch(s)
+            else:  # a stretch cut short of a break: the small model goes on to one
+                out = await s.segment("small", self.stops, s.left)
+        if s.done:
+            return
+        out = await s.segment("small", [], s.left, cue=close)
+        s.finish(out.finish_reason)
+
+    async def next_stretch(self, s: Session) -> SegmentOutcome:
+        draft = await s.segment("small", self.stops, self.settings.draft_tokens, commit=False)
+        if self.reflection.search(draft.text):
+            s.discard(draft)
+            return await s.segment("large", self.stops, self.settings.large_stretch_tokens)
+        s.commit(draft)
+        return draft
+
+
+def make_policy(name: PolicyName, settings: PolicySettings, cues: list[str]):
+    if name == "relay":
+        return RelayGen(settings, cues)
+    if name == "speculative-thinking":
+        return SpeculativeThinking(settings)
+    if name in ("large", "small"):
+        return SingleModel(name)
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,269 @@
+"""Drives one generation through segments. Knows nothing of Ray or vLLM.
+
+A :class:`Session` owns the growing output (:class:`~relay_serve.relay.output.Output`) and runs
+engine requests for a policy through the abstract :class:`~relay_serve.relay.types.Backend`: each
+request continues the full context (prompt + everything written so far), so the engines' prefix
+caches make a handoff cheap. The policy decides who writes next; the session does the bookkeeping
+(budget, usage, trace, streaming, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from relay_serve.relay.output import Output
+from relay_serve.relay.text import sentence_end
+from relay_serve.relay.types import (
+    Backend,
+    EngineChunk,
+    EngineRequestRecord,
+    FinishReason,
+    GenerationResult,
+    ModelRole,
+    RelayUsage,
+    SamplingSettings,
+    SegmentRequest,
+    TextCodec,
+    TextDelta,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SmallModelUnavailable(Exception):
+    """The small model could not serve a segment; policies may degrade to the large model."""
+
+
+class EngineError(Exception):
+    """An engine request failed or ended without finishing."""
+
+
+@dataclass
+class SegmentOutcome:
+    """What one engine request produced."""
+
+    model: ModelRole
+    token_ids: list[int]
+    text: str  # the decoding of token_ids in context (for committed segments: the committed text)
+    finish_reason: FinishReason
+    stop_reason: str | int | None
+    text_start: int = 0  # where this segment's text begins in the output (committed segments)
+
+    @property
+    def hit_stop_string(self) -> bool:
+        return self.finish_reason == "stop" and isinstance(self.stop_reason, str)
+
+    @property
+    def hit_eos(self) -> bool:
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+
+
+@dataclass
+class Session:
+    """One generation: ``prompt_ids`` continued for at most ``max_tokens`` tokens."""
+
+    backend: Backend
+    codec: TextCodec
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingSettings
+    session_id: str
+    user_stops: list[str] = field(default_factory=list)
+    cue_set_version: str | None = None
+    output: Output = field(init=False)
+    usage: RelayUsage = field(init=False)
+    finish_reason: FinishReason | None = None
+    engine_log: list[EngineRequestRecord] = field(default_factory=list, init=False)
+    _events: asyncio.Queue | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.output = Output(self.codec, self.user_stops)
+        self.usage = RelayUsage(cue_set_version=self.cue_set_version)
+
+    # ---- used by policies ----------------------------------------------------------------------
+
+    @property
+    def generated(self) -> int:
+        return len(self.output.ids)
+
+    @property
+    def left(self) -> int:
+        return self.max_tokens - self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.output.stopped
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "stop" if self.output.stopped else reason
+
+    async def segment(
+        self,
+        model: ModelRole,
+        stop: list[str],
+        max_tokens: int,
+        cue: str | None = None,
+        commit: bool = True,
+        sentence: bool = False,
+    ) -> SegmentOutcome:
+        """Run one engine request over the current context.
+
+        With ``commit`` the tokens join the output as they arrive (and stream to the client, one
+        token behind); without it (a draft) they are only returned. With ``sentence`` a token that
+        begins the next sentence is taken back (:meth:`end_at_sentence`). User stop strings are
+        always added.
+        """
+        max_tokens = min(max_tokens, self.left)
+        if max_tokens <= 0:
+            return SegmentOutcome(model, [], "", "length", None, len(self.output.text))
+        request = SegmentRequest(
+            model=model,
+            prompt_token_ids=self.prompt_ids + self.output.ids,
+            max_tokens=max_tokens,
+            stop=list(dict.fromkeys(stop + self.user_stops)),
+            sampling=self.sampling.for_segment(self.usage.engine_requests),
+            session_id=self.session_id,
+        )
+        self.usage.engine_requests += 1
+        if commit:
+            self.output.start_run(model, cue=cue)
+        start_text, start_tokens = len(self.output.text), len(self.output.ids)
+        tokens: list[int] = []
+        last = EngineChunk()
+        stream = self.backend.generate(request)
+        try:
+            async for chunk in stream:
+                last = chunk
+                tokens += chunk.token_ids
+                if commit and chunk.token_ids:
+                    self.output.append(chunk.token_ids, model)
+                    self._emit(model, hold_last_token=True)
+                    if self.output.stopped:
+                        break
+        finally:
+            await _aclose(stream)
+        if not self.output.stopped and (not last.finished or last.finish_reason == "abort"):
+            raise EngineError(f"the {model} model's request ended without finishing")
+        self.usage.cached_prompt_tokens += last.cached_tokens
+        self.engine_log.append(
+            EngineRequestRecord(
+                model=model,
+                replica_id=last.replica_id,
+                prompt_tokens=len(request.prompt_token_ids),
+                cached_tokens=last.cached_tokens,
+                output_tokens=len(tokens),
+                committed=commit,
+            )
+        )
+        outcome_reason: FinishReason = last.finish_reason or "stop"
+        if commit and sentence and outcome_reason == "stop" and isinstance(last.stop_reason, str):
+            self.end_at_sentence(start_text)
+        if commit:
+            self._emit(model)
+            text = self.output.text[start_text:]
+            tokens = self.output.ids[start_tokens:]
+        else:
+            text = self.codec.decode(self.output.ids[-8:] + tokens)[len(self.codec.decode(self.output.ids[-8:])) :]
+        reason: FinishReason = last.finish_reason or ("stop" if self.output.stopped else "abort")
+        return SegmentOutcome(model, tokens, text, reason, last.stop_reason, start_text)
+
+    def commit(self, outcome: SegmentOutcome, cue: str | None = None) -> None:
+        """Add a draft's tokens to the output."""
+        self.output.start_run(outcome.model, cue=cue)
+        self.output.append(outcome.token_ids, outcome.model)
+        self._emit(outcome.model)
+
+    def end_at_sentence(self, text_start: int) -> None:
+        """Drop trailing tokens of a segment that begin the next sentence.
+
+        A stop string such as ". " completes only with the token after the punctuation; when that
+        token also starts the next sentence (" Then"), it is taken back, and the next segment writes
+        it. Whitespace-only tokens after the sentence end stay.
+        """
+        out = self.output
+        end = sentence_end(out.text, text_start)
+        if end is None:
+            return
+        for i in range(len(out.ids)):
+            if out.starts[i] < end:
+                continue
+            stop = out.starts[i + 1] if i + 1 < len(out.ids) else len(out.text)
+            if out.text[out.starts[i] : stop].strip():
+                self.usage.discarded_tokens += len(out.ids) - i
+                out.truncate(out.starts[i])
+                return
+
+    def discard(self, outcome: SegmentOutcome) -> None:
+        self.usage.discarded_tokens += len(outcome.token_ids)
+
+    def force_text(self, text: str, model: ModelRole, cue: str | None = None) -> None:
+        """Insert text no engine wrote (closing ``</think>`` at the budget's end), counted for ``model``."""
+        self.output.start_run(model, cue=cue, forced=True)
+        self.output.append(self.codec.encode(text), model)
+        self._emit(model)
+
+    # ---- driving -------------------------------------------------------------------------------
+
+    def _emit(self, model: ModelRole, hold_last_token: bool = False) -> None:
+        if self._events is not None:
+            delta = self.output.take_stream_delta(hold_last_token=hold_last_token)
+            if delta:
+                self._events.put_nowait(TextDelta(text=delta, model=model))
+
+    def result(self) -> GenerationResult:
+        trace = self.output.trace()
+        self.usage.large_tokens = self.output.count("large")
+        self.usage.small_tokens = self.output.count("small")
+        self.usage.segments = len(trace)
+        self.usage.switches = sum(1 for a, b in zip(trace, trace[1:]) if a.model != b.model)
+        return GenerationResult(
+            text=self.output.text,
+            token_ids=list(self.output.ids),
+            finish_reason=self.finish_reason or "stop",
+            usage=self.usage,
+            trace=trace,
+            engine_requests=list(self.engine_log),
+        )
+
+    async def run(self, policy) -> GenerationResult:
+        """Run ``policy`` to the end and return the whole generation."""
+        await policy.run(self)
+        self.finish("stop")
+        return self.result()
+
+    async def stream(self, policy) -> AsyncIterator[TextDelta | GenerationResult]:
+        """Run ``policy``, yielding text deltas as they become final, then the result.
+
+        Closing this iterator (a client that went away) cancels the policy and its engine request.
+        """
+        self._events = asyncio.Queue()
+        task = asyncio.create_task(self.run(policy))
+        task.add_done_callback(lambda _: self._events.put_nowait(None))
+        try:
+            while True:
+                event = await self._events.get()
+                if event is None:
+                    break
+                yield event
+            result = task.result()  # raises the policy's error, if any
+            tail = self.output.take_stream_delta(final=True)
+            if tail:
+                yield TextDelta(text=tail, model=self.output.owners[-1] if self.output.owners else "large")
+            yield result
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+
+async def _aclose(stream) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except Exception:  # noqa: BLE001 - closing a dead stream must not mask the real outcome
+            log.debug("closing an engine stream failed", exc_info=True)

@@ -1,0 +1,87 @@
+"""Cue and sentence rules on plain text, shared by the router's policies and the calibration job.
+
+- A cue matches only at a word boundary: the character before it is not a letter or digit, and a
+  cue that ends in a letter or digit must be followed by white space ("So" never fires inside
+  "Some", "now," never inside "know,"). The paper's reference code matches raw substrings.
+- A sentence ends at terminal punctuation followed by white space, or at a blank line. The dot in
+  "3.5" is not a sentence end.
+
+Engines match stop strings as raw substrings; :func:`cue_stop_strings` turns cues into stop strings
+that can only over-match, and :func:`find_cue` is the check that decides whether a stop was real.
+Knows nothing of tokens, models or serving.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+TERMINALS = ".!?"
+SENTENCE_STOPS = tuple(f"{p}{ws}" for p in TERMINALS for ws in (" ", "\n")) + ("\n\n",)
+_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\n")
+
+
+def _is_word_char(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+def needs_right_boundary(cue: str) -> bool:
+    return bool(cue) and _is_word_char(cue[-1])
+
+
+def cue_stop_strings(cues: list[str] | tuple[str, ...]) -> list[str]:
+    """Stop strings that fire on every occurrence of every cue (and on some non-occurrences)."""
+    stops: list[str] = []
+    for cue in cues:
+        forms = [cue + " ", cue + "\n"] if needs_right_boundary(cue) else [cue]
+        stops += [f for f in forms if f not in stops]
+    return stops
+
+
+@dataclass(frozen=True)
+class CueMatch:
+    cue: str
+    start: int  # offset of the cue's first character
+    end: int  # offset just after the cue
+
+
+def _at_boundary(text: str, cue: str, start: int) -> bool:
+    if start > 0 and _is_word_char(text[start - 1]) and _is_word_char(cue[0]):
+        return False
+    end = start + len(cue)
+    if needs_right_boundary(cue):
+        return end < len(text) and text[end].isspace()
+    return True
+
+
+def find_cue(text: str, cues: list[str] | tuple[str, ...], start: int = 0, end: int | None = None) -> CueMatch | None:
+    """The earliest cue that starts in ``text[start:end]`` at a word boundary; the longest on ties."""
+    best: CueMatch | None = None
+    stop = len(text) if end is None else end
+    for cue in cues:
+        pos = text.find(cue, start)
+        while pos != -1 and pos < stop:
+            if _at_boundary(text, cue, pos):
+                cand = CueMatch(cue, pos, pos + len(cue))
+                if best is None or (cand.start, -len(cue)) < (best.start, -len(best.cue)):
+                    best = cand
+                break
+            pos = text.find(cue, pos + 1)
+    return best
+
+
+def find_all_cues(text: str, cues: list[str] | tuple[str, ...]) -> list[CueMatch]:
+    """Every non-overlapping cue occurrence at a word boundary, left to right."""
+    found: list[CueMatch] = []
+    pos = 0
+    while (m := find_cue(text, cues, pos)) is not None:
+        found.append(m)
+        pos = m.end
+    return found
+
+
+def sentence_end(text: str, start: int = 0) -> int | None:
+    """Offset just after the first sentence end at or after ``start`` (after the punctuation, or
+    after the blank line), or None when the text holds none yet."""
+    m = _SENTENCE_END.search(text, start)
+    return None if m is None else m.end()

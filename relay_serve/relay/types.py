@@ -1,0 +1,119 @@
+"""The vocabulary the relay core speaks: segment requests, engine chunks, the backend interface,
+and what a finished generation reports. Knows nothing of Ray or vLLM."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ModelRole = Literal["large", "small"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingSettings(BaseModel):
+    """Sampling settings of one generation; every segment uses them (with a derived seed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def for_segment(self, index: int) -> SamplingSettings:
+        """The settings of the ``index``-th engine request: same, with a seed derived from both."""
+        if self.seed is None:
+            return self
+        return self.model_copy(update={"seed": (self.seed * 1_000_003 + index) % (2**31 - 1)})
+
+
+class SegmentRequest(BaseModel):
+    """One engine request: continue ``prompt_token_ids`` until a stop string, EOS or ``max_tokens``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelRole
+    prompt_token_ids: list[int]
+    max_tokens: int = Field(ge=1)
+    stop: list[str] = Field(default_factory=list)
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
+
+
+class EngineChunk(BaseModel):
+    """A streamed piece of an engine request's output. The last chunk has ``finished`` set."""
+
+    token_ids: list[int] = Field(default_factory=list, description="tokens new in this chunk")
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = Field(default=None, description="the stop string that matched, if any")
+    cached_tokens: int = Field(default=0, description="prompt tokens served from the prefix cache")
+    replica_id: str | None = None
+
+
+class Backend(ABC):
+    """Runs segment requests on the large or the small model."""
+
+    @abstractmethod
+    def generate(self, request: SegmentRequest) -> AsyncIterator[EngineChunk]:
+        """Stream the output of one request; closing the iterator early must abort the request."""
+
+
+class TextCodec(Protocol):
+    """The tokenizer both models share (the relay hands token ids over)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class TraceSegment(BaseModel):
+    """A maximal run of output written by one model."""
+
+    model: ModelRole
+    start: int = Field(description="character offset in the completion text")
+    end: int
+    tokens: int
+    cue: str | None = Field(default=None, description="the cue (or </think>) that opened this segment")
+    forced: bool = Field(default=False, description="opened by a </think> the router inserted at the budget's end")
+
+
+class EngineRequestRecord(BaseModel):
+    """One engine request of a generation, for tracing and affinity measurements."""
+
+    model: ModelRole
+    replica_id: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    committed: bool = Field(description="false for a rejected draft")
+
+
+class RelayUsage(BaseModel):
+    large_tokens: int = 0
+    small_tokens: int = 0
+    switches: int = 0
+    segments: int = 0
+    engine_requests: int = 0
+    cached_prompt_tokens: int = 0
+    discarded_tokens: int = Field(default=0, description="generated but not in the output (rejected drafts)")
+    cue_set_version: str | None = None
+    degraded: bool = Field(default=False, description="small-model segments were written by the large model")
+    degraded_reason: str | None = None
+
+
+class GenerationResult(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: RelayUsage
+    trace: list[TraceSegment]
+    engine_requests: list[EngineRequestRecord] = Field(default_factory=list)
+
+
+class TextDelta(BaseModel):
+    text: str
+    model: ModelRole

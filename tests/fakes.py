@@ -1,0 +1,94 @@
+"""Fakes that implement the real interfaces: a word-piece codec and scripted models behind a Backend.
+
+A scripted model is a function from the text written so far to the text it would write from there;
+the fake engine emits that text token by token and applies stop strings, ``max_tokens`` and EOS with
+vLLM's semantics (the stop string is included in the output; the token that completes it is the
+last one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from relay_serve.relay.session import SmallModelUnavailable
+from relay_serve.relay.types import Backend, EngineChunk, SegmentRequest
+
+_PIECE = re.compile(r"</?think>|\n\n|\n| ?[A-Za-z]+| ?\d| ?[^\sA-Za-z\d]|\s")
+
+
+class FakeCodec:
+    """Splits text into small pieces (words, single digits, punctuation) and numbers them."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.pieces: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        pos = 0
+        for m in _PIECE.finditer(text):
+            if m.start() != pos:
+                raise ValueError(f"cannot encode {text[pos:m.start()]!r}")
+            pos = m.end()
+            if m.group() not in self.vocab:
+                self.vocab[m.group()] = len(self.pieces)
+                self.pieces.append(m.group())
+            out.append(self.vocab[m.group()])
+        return out
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.pieces[i] for i in token_ids)
+
+
+Script = Callable[[str], str]  # text written so far -> what the model writes from there
+
+
+def follow(reference: str, fallback: str = "") -> Script:
+    """A model that writes ``reference``; off its path it writes ``fallback`` (then stops)."""
+
+    def script(written: str) -> str:
+        return reference[len(written) :] if reference.startswith(written) else fallback
+
+    return script
+
+
+class FakeBackend(Backend):
+    """Scripted models over any codec. A session's first request is its bare prompt (every policy
+    starts that way), so what the session wrote is what later requests hold beyond it."""
+
+    def __init__(self, codec, scripts: dict[str, Script], delay_s: float = 0.0) -> None:
+        self.codec = codec
+        self.prompts: dict[str, int] = {}
+        self.scripts = scripts
+        self.delay_s = delay_s
+        self.requests: list[SegmentRequest] = []
+        self.unavailable: set[str] = set()
+        self.cancelled = 0
+
+    async def generate(self, request: SegmentRequest) -> AsyncIterator[EngineChunk]:
+        self.requests.append(request)
+        if request.model in self.unavailable:
+            raise SmallModelUnavailable(f"{request.model} deployment has no replica")
+        n_prompt = self.prompts.setdefault(request.session_id, len(request.prompt_token_ids))
+        written_ids = request.prompt_token_ids[n_prompt:]
+        pieces = self.codec.encode(self.scripts[request.model](self.codec.decode(written_ids)))
+        text = ""
+        try:
+            for n, tid in enumerate(pieces, start=1):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                text = self.codec.decode(pieces[:n])
+                hit = next((s for s in request.stop if s in text), None)
+                if hit is not None:
+                    yield EngineChunk(token_ids=[tid], finished=True, finish_reason="stop", stop_reason=hit)
+                    return
+                if n == request.max_tokens:
+                    yield EngineChunk(token_ids=[tid], finished=True, finish_reason="length")
+                    return
+                yield EngineChunk(token_ids=[tid])
+            yield EngineChunk(finished=True, finish_reason="stop", stop_reason=None)  # EOS
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled += 1
+            raise

@@ -1,0 +1,296 @@
+"""Every transition of the policies, driven through a scripted fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from relay_serve.relay.policy import PolicySettings, RelayGen, SingleModel, SpeculativeThinking
+from relay_serve.relay.session import EngineError, Session
+from relay_serve.relay.types import GenerationResult, SamplingSettings, TextDelta
+from tests.fakes import FakeBackend, FakeCodec, follow
+
+PROMPT = "Start at b3.\n"
+REF = (
+    "<think>\nFirst, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> d4.\n\n"
+    "Therefore, the answer is d4.\n</think>\n\nThe answer is \\boxed{d4}."
+)
+CUES = ["Thus,", "Therefore,"]
+
+
+def make_session(scripts, max_tokens=500, stops=None, prompt=PROMPT, delay_s=0.0):
+    codec = FakeCodec()
+    backend = FakeBackend(codec, scripts, delay_s=delay_s)
+    s = Session(
+        backend=backend,
+        codec=codec,
+        prompt_ids=codec.encode(prompt),
+        max_tokens=max_tokens,
+        sampling=SamplingSettings(temperature=0.0, seed=7),
+        session_id="gen-1",
+        user_stops=stops or [],
+    )
+    return s, backend
+
+
+def run(session, policy) -> GenerationResult:
+    return asyncio.run(session.run(policy))
+
+
+def models_of(result: GenerationResult) -> list[tuple[str, str]]:
+    return [(seg.model, result.text[seg.start : seg.end]) for seg in result.trace]
+
+
+def check_invariants(result: GenerationResult) -> None:
+    u = result.usage
+    assert u.large_tokens + u.small_tokens == len(result.token_ids)
+    assert result.trace[0].start == 0 and result.trace[-1].end == len(result.text)
+    for a, b in zip(result.trace, result.trace[1:]):
+        assert a.end == b.start
+    assert sum(seg.tokens for seg in result.trace) == len(result.token_ids)
+
+
+def test_relay_hands_cued_sentences_and_the_answer_to_the_small_model():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF
+    assert r.finish_reason == "stop"
+    check_invariants(r)
+    assert models_of(r) == [
+        ("large", "<think>\nFirst, b3 -> c12.\n\nThus,"),
+        ("small", " we are at c12.\n\n"),  # ".\n" ends inside the "\n\n" token: the whole token goes
+        ("large", "Next, c12 -> d4.\n\nTherefore,"),
+        ("small", " the answer is d4.\n"),
+        ("large", "</think>"),
+        ("small", "\n\nThe answer is \\boxed{d4}."),
+    ]
+    assert [seg.cue for seg in r.trace] == [None, "Thus,", None, "Therefore,", None, "</think>"]
+    assert r.usage.switches == 5 and r.usage.segments == 6
+    # every request continues the whole context and carries the generation's id
+    assert all(req.session_id == "gen-1" for req in backend.requests)
+    assert backend.requests[1].model == "small" and "\n\n" in backend.requests[1].stop
+    assert "Thus," in backend.requests[0].stop and "</think>" in backend.requests[0].stop
+
+
+def test_segment_seeds_are_derived_and_distinct():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    run(s, RelayGen(PolicySettings(), CUES))
+    seeds = [req.sampling.seed for req in backend.requests]
+    assert len(set(seeds)) == len(seeds)
+    s2, backend2 = make_session({"large": follow(REF), "small": follow(REF)})
+    run(s2, RelayGen(PolicySettings(), CUES))
+    assert seeds == [req.sampling.seed for req in backend2.requests]
+
+
+def test_cue_at_the_start_of_a_large_turn_waits_for_min_large_tokens():
+    ref = "<think>\nThus, a b c d e f.\n\nThus, g h.\n\nThus, x y.\n</think>\nok"
+    s, backend = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, RelayGen(PolicySettings(min_large_tokens=5), ["Thus,"]))
+    check_invariants(r)
+    # the first "Thus," comes after 4 large tokens ("<think>", "\n", "Thus", ","): no switch there
+    assert models_of(r)[0] == ("large", "<think>\nThus, a b c d e f.\n\nThus,")
+    assert models_of(r)[1] == ("small", " g h.\n\n")
+    # right after the small sentence the large writes "Thus," (2 tokens): it keeps the sentence
+    assert models_of(r)[2] == ("large", "Thus, x y.\n</think>")
+    assert r.text == ref
+
+
+def test_cue_stop_that_is_not_at_a_word_boundary_does_not_switch():
+    ref = "<think>\nI know, also Some things.\n\nNow, so we go on.\n</think>\nend"
+    s, backend = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, RelayGen(PolicySettings(min_large_tokens=0), ["now,", "Now,", "So", "so"]))
+    assert r.text == ref
+    stops_hit = [req.model for req in backend.requests]
+    # "know," and "also " stop the engine (raw substrings) but the large model goes on
+    assert models_of(r)[0] == ("large", "<think>\nI know, also Some things.\n\nNow,")
+    assert models_of(r)[1] == ("small", " so we go on.\n")
+    assert [req.stop[:4] for req in backend.requests[:1]] == [["now,", "Now,", "So ", "So\n"]]
+    assert stops_hit[:3] == ["large", "large", "large"]
+    check_invariants(r)
+
+
+def test_stop_string_split_across_tokens():
+    # "Therefore," is two tokens; "c12" is three (" c", "1", "2")
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, stops=["c12."])
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == "<think>\nFirst, b3 -> "
+    assert r.finish_reason == "stop"
+    check_invariants(r)
+
+
+def test_user_stop_spanning_a_handoff():
+    # "c12.\n\nNext" starts in the small model's sentence and ends in the large model's turn
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, stops=["c12.\n\nNext"])
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == "<think>\nFirst, b3 -> c12.\n\nThus, we are at "
+    assert r.finish_reason == "stop"
+    check_invariants(r)
+
+
+def test_think_close_inside_a_small_segment_goes_to_the_answer():
+    ref = "<think>\nFirst, b3 -> c12.\n\nTherefore, it is c12</think>\n\nThe answer is c12."
+    s, backend = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == ref
+    assert [m for m, _ in models_of(r)] == ["large", "small", "small"]
+    assert models_of(r)[2] == ("small", "\n\nThe answer is c12.")
+    assert backend.requests[-1].model == "small" and backend.requests[-1].stop == []
+
+
+def test_empty_small_segment_ends_the_generation():
+    # the small model ends its turn at once (EOS): nothing more is written
+    s, _ = make_session({"large": follow(REF), "small": lambda _: ""})
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == "<think>\nFirst, b3 -> c12.\n\nThus,"
+    assert r.finish_reason == "stop"
+    assert [m for m, _ in models_of(r)] == ["large"]
+    check_invariants(r)
+
+
+def test_empty_generation():
+    s, _ = make_session({"large": lambda _: "", "small": lambda _: ""})
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == "" and r.token_ids == [] and r.trace == [] and r.finish_reason == "stop"
+
+
+def test_budget_exhausted_while_the_large_model_reasons():
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, max_tokens=6)
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.finish_reason == "length" and len(r.token_ids) == 6
+    assert "</think>" not in r.text
+    check_invariants(r)
+
+
+def test_budget_exhausted_in_reasoning_closes_it_and_the_small_model_answers_in_the_reserve():
+    long_ref = "<think>\nFirst, b3 -> c12.\n\nNext, c12 -> d4.\n\nNext, d4 -> f1.\n</think>\n\nd4"
+    def small(written: str) -> str:
+        return "\n\nThe answer is c12." if written.endswith("</think>") else ""
+
+    s, _ = make_session({"large": follow(long_ref), "small": small}, max_tokens=30)
+    r = run(s, RelayGen(PolicySettings(answer_reserve_tokens=10), CUES))
+    check_invariants(r)
+    segs = models_of(r)
+    assert segs[0][0] == "large" and len(r.token_ids) <= 30
+    assert segs[1] == ("small", "</think>\n\nThe answer is c12.")
+    assert r.trace[1].forced and r.trace[1].cue == "</think>"
+    assert r.finish_reason == "stop"
+
+
+def test_budget_exhausted_in_a_small_sentence():
+    n = len(FakeCodec().encode("<think>\nFirst, b3 -> c12.\n\nThus,"))
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, max_tokens=n + 3)
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.finish_reason == "length" and len(r.token_ids) == n + 3
+    assert models_of(r)[-1] == ("small", " we are at")
+    check_invariants(r)
+
+
+def test_budget_exhausted_in_the_answer():
+    n = len(FakeCodec().encode(REF))
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, max_tokens=n - 2)
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.finish_reason == "length" and r.text == REF[: len(r.text)] and len(r.token_ids) == n - 2
+    assert models_of(r)[-1][0] == "small"
+
+
+def test_small_segment_is_cut_at_max_small_segment_tokens():
+    ref = "<think>\nThus, one two three four five six seven\n\nmore.\n</think>\nok"
+    s, _ = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, RelayGen(PolicySettings(max_small_segment_tokens=3, min_large_tokens=0), ["Thus,"]))
+    assert models_of(r)[1] == ("small", " one two three")
+    assert models_of(r)[2][0] == "large" and r.text == ref
+
+
+def test_sentence_end_rule_keeps_decimal_points():
+    ref = "<think>\nThus, it is 3.5 units. Then more.\n</think>\nok"
+    s, _ = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+    # ". " completes only with " Then": that token starts the next sentence and is taken back
+    assert models_of(r)[1] == ("small", " it is 3.5 units.")
+    assert models_of(r)[2] == ("large", " Then more.\n</think>")
+    assert r.usage.discarded_tokens == 1 and r.text == ref
+
+
+def test_large_and_small_baselines_use_one_model():
+    for model in ("large", "small"):
+        s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+        r = run(s, SingleModel(model))
+        assert r.text == REF and [m for m, _ in models_of(r)] == [model]
+        assert len(backend.requests) == 1 and r.usage.switches == 0
+        check_invariants(r)
+
+
+def test_degrades_to_the_large_model_when_the_small_one_is_unavailable():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.unavailable.add("small")
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF and r.usage.small_tokens == 0
+    assert r.usage.degraded and "no replica" in r.usage.degraded_reason
+    check_invariants(r)
+
+
+def test_engine_that_ends_a_stream_without_finishing_is_an_error():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.generate = lambda request: _empty()
+    with pytest.raises(EngineError):
+        run(s, RelayGen(PolicySettings(), CUES))
+
+
+async def _empty():
+    if False:
+        yield
+
+
+def test_streamed_text_equals_the_result_and_holds_back_user_stops():
+    s, _ = make_session({"large": follow(REF), "small": follow(REF)}, stops=["d4."])
+
+    async def collect():
+        parts, result = [], None
+        async for ev in s.stream(RelayGen(PolicySettings(), CUES)):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+                assert "d4." not in "".join(parts)
+            else:
+                result = ev
+        return "".join(parts), result
+
+    text, result = asyncio.run(collect())
+    assert text == result.text == "<think>\nFirst, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> "
+
+
+def test_closing_the_stream_cancels_the_engine_request():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)}, delay_s=0.01)
+
+    async def first_then_close():
+        agen = s.stream(RelayGen(PolicySettings(), CUES))
+        await agen.__anext__()
+        await agen.aclose()
+
+    asyncio.run(first_then_close())
+    assert backend.cancelled == 1
+
+
+SPEC_REF = "<think>\nStep one.\n\nWait, check it.\n\nStep two.\n</think>\n\nDone."
+
+
+def test_speculative_thinking_hands_reflective_stretches_to_the_large_model():
+    s, backend = make_session({"large": follow(SPEC_REF), "small": follow(SPEC_REF)})
+    r = run(s, SpeculativeThinking(PolicySettings(draft_tokens=4)))
+    assert r.text == SPEC_REF
+    check_invariants(r)
+    assert models_of(r) == [
+        ("small", "<think>\nStep one.\n\n"),
+        ("large", "Wait, check it.\n\n"),
+        ("small", "Step two.\n</think>"),
+        ("small", "\n\nDone."),
+    ]
+    assert r.usage.discarded_tokens == 4  # the rejected draft "Wait", ",", " check", " it"
+
+
+def test_speculative_thinking_keeps_drafts_without_reflection():
+    ref = "<think>\nStep one.\n\nStep two is long enough.\n\nStep three.\n</think>\n\nDone."
+    s, _ = make_session({"large": follow(ref), "small": follow(ref)})
+    r = run(s, SpeculativeThinking(PolicySettings(draft_tokens=3)))
+    assert r.text == ref and r.usage.large_tokens == 0 and r.usage.discarded_tokens == 0
+    check_invariants(r)
