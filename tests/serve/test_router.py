@@ -1,0 +1,189 @@
+"""The router's HTTP API over a scripted backend (no Ray, no vLLM): shapes, usage, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from relay_serve.relay.types import EngineChunk
+from relay_serve.serve.router import RelayRouter, TokenizerMismatch
+from relay_serve.toy.tokenizer import TOKENIZER_DIR
+from tests.fakes import FakeBackend, follow
+
+REF = (
+    "<think>\nFirst, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> d4.\n\n"
+    "Therefore, the answer is d4.\n</think>\n\nThe answer is \\boxed{d4}."
+)
+
+
+def make_router(scripts=None, **router_cfg):
+    cfg = {
+        "large": {"model": "toy:large", "tokenizer": str(TOKENIZER_DIR)},
+        "small": {"model": "toy:small", "tokenizer": str(TOKENIZER_DIR)},
+        "router": {"session_affinity": False, **router_cfg},
+    }
+    from relay_serve.tokenizer import load_codec
+
+    backend = FakeBackend(load_codec(str(TOKENIZER_DIR)), scripts or {"large": follow(REF), "small": follow(REF)})
+    return RelayRouter(cfg, backend=backend), backend
+
+
+def call(router, method, path, body=None, content=None, headers=None):
+    async def go():
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            if method == "GET":
+                return await c.get(path)
+            if content is not None:
+                return await c.post(path, content=content, headers=headers or {"content-type": "application/json"})
+            return await c.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+def chat(model="relay", **extra):
+    return {"model": model, "messages": [{"role": "user", "content": "Start at b3. Follow the map two times."}], **extra}
+
+
+def test_models_and_health():
+    router, _ = make_router()
+    ids = [m["id"] for m in call(router, "GET", "/v1/models").json()["data"]]
+    assert ids == ["relay", "large", "small", "speculative-thinking"]
+    health = call(router, "GET", "/health").json()
+    assert health["status"] == "ok" and health["cue_set"]["version"] == "default"
+
+
+def test_chat_completion_reports_relay_usage_and_trace():
+    router, _ = make_router()
+    r = call(router, "POST", "/v1/chat/completions", chat(relay_trace=True))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    text = body["choices"][0]["message"]["content"]
+    assert text == REF and body["choices"][0]["finish_reason"] == "stop"
+    u = body["usage"]
+    assert u["relay"]["large_tokens"] + u["relay"]["small_tokens"] == u["completion_tokens"] > 0
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert u["relay"]["switches"] >= 4 and u["relay"]["cue_set_version"] == "default"
+    trace = body["relay_trace"]
+    assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
+    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    assert {"model": "small", "cue": "Thus,"}.items() <= trace[1].items()
+
+
+def sse_events(text: str) -> list:
+    events = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_streamed_chat_equals_the_non_streamed_text():
+    router, _ = make_router()
+    plain = call(router, "POST", "/v1/chat/completions", chat(seed=3)).json()
+    r = call(router, "POST", "/v1/chat/completions", chat(seed=3, stream=True, stream_options={"include_usage": True}))
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    deltas = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e.get("choices"))
+    assert deltas == plain["choices"][0]["message"]["content"]
+    usage = [e for e in events[:-1] if e.get("usage")][0]["usage"]
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+def test_completions_take_text_or_token_ids():
+    router, _ = make_router()
+    r = call(router, "POST", "/v1/completions", {"model": "large", "prompt": "Start at b3.", "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    ids = router.codec.encode("Start at b3.")
+    r2 = call(router, "POST", "/v1/completions", {"model": "large", "prompt": ids, "max_tokens": 5})
+    assert r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (chat(model="gpt-9"), "model"),
+        (chat(n=2), "n"),
+        (chat(max_tokens=-1), "max_tokens"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(max_completion_tokens=10**6), "max_completion_tokens"),
+        (chat(max_tokens="ten"), "max_tokens"),
+        (chat(temperature="hot"), "temperature"),
+        (chat(temperature=True), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(top_k=0), "top_k"),
+        (chat(stream="yes"), "stream"),
+        (chat(stop=["x"] * 40), "stop"),
+        (chat(stop=["y" * 500]), "stop"),
+        ({"model": "relay", "messages": []}, "messages"),
+        ({"model": "relay", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"model": "relay"}, "messages"),
+        ({"model": "relay", "messages": [{"role": "user", "content": "x " * 3000}]}, "messages"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_parameter(body, param):
+    router, backend = make_router()
+    r = call(router, "POST", "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"[1, 2]", b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000, b""],
+)
+def test_malformed_bodies_are_400s(content):
+    router, _ = make_router(max_request_bytes=1_000_000)
+    r = call(router, "POST", "/v1/chat/completions", content=content)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413():
+    router, _ = make_router(max_request_bytes=2048)
+    r = call(router, "POST", "/v1/chat/completions", chat(user="u" * 5000))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_route_has_an_error_body():
+    router, _ = make_router()
+    r = call(router, "GET", "/v2/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_engine_failure_is_a_5xx_with_an_error_body():
+    router, backend = make_router()
+
+    async def failing(request):
+        yield EngineChunk(token_ids=[1])
+        raise RuntimeError("replica died")
+
+    backend.generate = failing
+    r = call(router, "POST", "/v1/chat/completions", chat(model="large"))
+    assert r.status_code == 502 and "replica died" in r.json()["error"]["message"]
+    rs = call(router, "POST", "/v1/chat/completions", chat(model="large", stream=True))
+    events = sse_events(rs.text)
+    assert events[-1] == "[DONE]" and "replica died" in events[-2]["error"]["message"]
+    assert router.in_flight == 0
+
+
+def test_a_pair_with_different_tokenizers_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(str(tmp_path))
+    cfg = {
+        "large": {"model": "toy:large", "tokenizer": str(TOKENIZER_DIR)},
+        "small": {"model": "toy:small", "tokenizer": str(tmp_path)},
+    }
+    with pytest.raises(TokenizerMismatch, match="shares one tokenizer"):
+        RelayRouter(cfg, backend=FakeBackend(None, {}))
