@@ -125,6 +125,37 @@ def toy_speed(
         typer.echo(json.dumps(row) if as_json else f"{row['model']:>5} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step")
 
 
+class Rule(str, Enum):
+    ci = "ci-above-overall"
+    paper = "mean-above-overall"
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="calibration config YAML"),
+    store: Optional[str] = typer.Option(None, "--store", help="cue store URI"),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1),
+    samples_per_prompt: Optional[int] = typer.Option(None, "--samples-per-prompt", min=1),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    rule: Optional[Rule] = typer.Option(None, "--rule"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="calibrate and report, publish nothing"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Calibrate the pair's switch cues and publish them (the same job as
+    `python -m calibration_jobs.calibrate`)."""
+    import argparse
+
+    from calibration_jobs.calibrate import main
+
+    ns = argparse.Namespace(
+        config=str(config) if config else None, store=store, num_prompts=num_prompts,
+        samples_per_prompt=samples_per_prompt, workers=workers, seed=seed,
+        rule=rule.value if rule else None, dry_run=dry_run, json=as_json,
+    )
+    raise typer.Exit(main(ns))
+
+
 class ConfigFormat(str, Enum):
     app = "app"
     serve = "serve"

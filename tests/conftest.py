@@ -24,7 +24,7 @@ def ray_cluster(tmp_path_factory):
     import ray
 
     os.environ["RELAY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     from ray import serve
 

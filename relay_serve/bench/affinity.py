@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> None:
 
     from relay_serve.serve.local import serve_config  # noqa: F401 - fail early on a broken install
 
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     results = [measure(a, args.requests, args.replicas, args.port) for a in (True, False)]
     if args.json:
         print(json.dumps(results))

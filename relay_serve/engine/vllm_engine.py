@@ -47,7 +47,7 @@ class VLLMEngine(Engine):
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         async for out in self.engine.generate(prompt, params, request_id):
             comp = out.outputs[0]
-            chunk = EngineChunk(token_ids=list(comp.token_ids))
+            chunk = EngineChunk(token_ids=list(comp.token_ids), text=comp.text)
             if out.finished:
                 chunk.finished = True
                 chunk.finish_reason = "length" if comp.finish_reason == "length" else (

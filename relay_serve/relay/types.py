@@ -47,6 +47,7 @@ class EngineChunk(BaseModel):
     """A streamed piece of an engine request's output. The last chunk has ``finished`` set."""
 
     token_ids: list[int] = Field(default_factory=list, description="tokens new in this chunk")
+    text: str = Field(default="", description="the engine's own text for them (stop-truncated; the relay decodes ids itself)")
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = Field(default=None, description="the stop string that matched, if any")

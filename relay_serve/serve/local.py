@@ -46,7 +46,7 @@ def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: i
         if address:
             ray.init(address=address)
         else:
-            ray.init(num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False)
+            ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host

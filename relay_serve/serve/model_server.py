@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from relay_serve.engine.base import Engine, EngineInfo
-from relay_serve.relay.types import SegmentRequest
+from relay_serve.relay.types import EngineChunk, SegmentRequest
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,15 @@ class ModelServer:
                 yield chunk.model_dump()
         finally:
             self.requests_in_flight -= 1
+
+    async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The whole output of one segment request at once: token ids, text, finish and stop
+        reason, cached prompt tokens, replica."""
+        out = EngineChunk()
+        async for data in self.generate(request):
+            chunk = EngineChunk.model_validate(data)
+            out = chunk.model_copy(update={"token_ids": out.token_ids + chunk.token_ids, "text": out.text + chunk.text})
+        return out.model_dump()
 
     async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
         return await self.engine.score(token_ids, start, top_k)

@@ -104,8 +104,9 @@ class RelayRouter:
         return api
 
     async def health(self) -> JSONResponse:
+        await self.cues.maybe_refresh()
         status = self.cues.status()
-        body = {"status": "ok", "cue_set": status}
+        body = {"status": "ok" if status["ok"] else "degraded", "cue_set": status}
         return JSONResponse(body)
 
     async def models(self) -> dict[str, Any]:
@@ -114,6 +115,7 @@ class RelayRouter:
         return {"object": "list", "data": [c.model_dump() for c in cards]}
 
     async def active_cues(self) -> dict[str, Any]:
+        await self.cues.maybe_refresh()
         return self.cues.describe()
 
     async def stats(self) -> dict[str, Any]:
@@ -231,6 +233,7 @@ class RelayRouter:
     async def _serve(self, req, prompt_ids: list[int], chat: bool):
         name = self._policy_name(req.model)
         max_tokens = self._check(req, prompt_ids)
+        await self.cues.maybe_refresh()
         cue_set = self.cues.active()  # the set this request starts with is the set it ends with
         session = self._session(req, prompt_ids, max_tokens, cue_set)
         policy = make_policy(name, self.cfg.policy, cue_set.cues)

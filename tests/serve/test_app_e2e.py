@@ -94,3 +94,35 @@ def test_user_stop_strings(client):
     )
     text = resp.choices[0].message.content
     assert "Next," not in text and resp.choices[0].finish_reason == "stop" and text.startswith("<think>")
+
+
+def test_running_router_picks_up_a_newly_published_cue_set(client, relay_app):
+    import time
+    import uuid
+
+    import httpx
+
+    from relay_serve.config import AppConfig
+    from relay_serve.cues import pair_fingerprint
+    from relay_serve.store import CueStore
+    from tests.calibration.test_store import make_set
+
+    cfg = AppConfig()
+    first = _chat(client, "relay").usage.model_extra["relay"]["cue_set_version"]
+    version = f"e2e-{uuid.uuid4().hex[:8]}"
+    CueStore(cfg.cues.store_uri).publish(make_set(version, pair_fingerprint(cfg), ["Thus,", "Wait,", "Therefore,"]))
+    t0 = time.time()
+    seen = first
+    while seen != version and time.time() - t0 < cfg.cues.poll_interval_s + 5:
+        seen = _chat(client, "relay").usage.model_extra["relay"]["cue_set_version"]
+    elapsed = time.time() - t0
+    assert seen == version != first
+    assert elapsed <= cfg.cues.poll_interval_s + 1.5, elapsed
+    cues = httpx.get(relay_app + "/v1/relay/cues").json()
+    assert cues["version"] == version and cues["cues"] == ["Thus,", "Wait,", "Therefore,"] and cues["ok"]
+    # a set for another pair does not replace it, and /health says why
+    CueStore(cfg.cues.store_uri).publish(make_set(version + "-other", "another-pair"))
+    time.sleep(cfg.cues.poll_interval_s + 0.5)
+    health = httpx.get(relay_app + "/health").json()
+    assert health["status"] == "degraded" and "another model pair" in health["cue_set"]["last_error"]
+    assert _chat(client, "relay").usage.model_extra["relay"]["cue_set_version"] == version

@@ -1,0 +1,321 @@
+"""Cue calibration as a Ray job: the large model writes sampled traces, the small model scores them
+teacher-forced, cues are selected from their margins, and the cue set goes to the store.
+
+    python -m calibration_jobs.calibrate [--config PATH] [--store URI] [--num-prompts N]
+        [--samples-per-prompt K] [--workers W] [--rule ci-above-overall|mean-above-overall] [--dry-run]
+
+Locally it starts a Ray of its own; under ``ray job submit`` it joins the job's cluster. Stages:
+traces -> scoring -> statistics -> selection -> publish, each timed, the first two fanned out over
+Ray workers that each hold one engine, with progress bars. Nothing is published when a stage fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from relay_serve import envs
+from relay_serve.config import AppConfig, ModelSettings
+from relay_serve.cues import CalibrationData, CueSet, SelectionRule, model_pair
+
+TOY = "toy"
+
+
+class CalibrationConfig(BaseModel):
+    """The job's settings (``--config`` YAML). Without one it calibrates the toy pair."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    app: AppConfig = Field(default_factory=AppConfig, description="the pair, its engines and the cue store")
+    dataset: str = Field(TOY, description="'toy' or 'jsonl:PATH' of {\"problem\": ...} lines")
+    num_prompts: int = Field(40, ge=1)
+    samples_per_prompt: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(512, ge=1)
+    seed: int = 0
+    candidates: list[str] | None = Field(None, description="default: the discourse-word pool plus the toy cues")
+    rule: SelectionRule = Field(default_factory=SelectionRule)
+    workers: int = Field(1, ge=1, description="Ray workers per stage, each holding one engine")
+    worker_num_cpus: float = Field(1.0, gt=0.0)
+    worker_num_gpus: float = Field(0.0, ge=0.0)
+    batch_size: int = Field(16, ge=1, description="prompts per Ray task")
+    report_dir: str | None = Field(None, description="default: <state dir>/calibration/<version>")
+
+    @classmethod
+    def load(cls, path: str | None) -> CalibrationConfig:
+        if path is None:
+            return cls()
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def calibration_prompts(cfg: CalibrationConfig) -> list[str]:
+    if cfg.dataset == TOY:
+        from relay_serve.toy.world import ToyWorld
+
+        world = ToyWorld()
+        # calibration draws from the training problems: the held-out ones stay for evaluation
+        pool = list(world.train_problems)
+        import random
+
+        random.Random(f"calibration:{cfg.seed}").shuffle(pool)
+        if cfg.num_prompts > len(pool):
+            raise ValueError(f"num_prompts={cfg.num_prompts} exceeds the {len(pool)} toy training problems")
+        return [p.prompt for p in pool[: cfg.num_prompts]]
+    if cfg.dataset.startswith("jsonl:"):
+        path = Path(cfg.dataset[len("jsonl:") :])
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        prompts = [r["problem"] for r in rows][: cfg.num_prompts]
+        if len(prompts) < cfg.num_prompts:
+            raise ValueError(f"{path} holds {len(prompts)} problems, fewer than num_prompts={cfg.num_prompts}")
+        return prompts
+    raise ValueError(f"unknown dataset {cfg.dataset!r}: use 'toy' or 'jsonl:PATH'")
+
+
+# ---- Ray workers --------------------------------------------------------------------------------
+
+
+class _EngineWorker:
+    """One engine in one Ray actor (trace writer or scorer)."""
+
+    def __init__(self, model: dict[str, Any]) -> None:
+        envs.route_vllm_logs_to_stderr()
+        from relay_serve.engine.vllm_engine import OfflineEngine
+
+        m = ModelSettings.model_validate(model)
+        self.engine = OfflineEngine(m.model_path, m.engine_args)
+
+    def traces(self, prompts: list[list[int]], k: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
+        expanded = [p for p in prompts for _ in range(k)]
+        return self.engine.generate(expanded, max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[list[float]]]:
+        return self.engine.score(sequences, starts, top_k=2)
+
+
+def _run_stage(name: str, workers, calls, progress: bool) -> list:
+    """Run ``calls`` (one (method, args) per task) over ``workers`` round robin; results in order."""
+    import ray
+    from tqdm import tqdm
+
+    refs = [getattr(workers[i % len(workers)], method).remote(*args) for i, (method, args) in enumerate(calls)]
+    index = {r: i for i, r in enumerate(refs)}
+    results: list = [None] * len(refs)
+    pending = list(refs)
+    with tqdm(total=len(refs), desc=name, unit="batch", disable=not progress, file=sys.stderr) as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                results[index[ref]] = ray.get(ref)
+            bar.update(len(done))
+    return results
+
+
+# ---- the job ------------------------------------------------------------------------------------
+
+
+class StageTimes(BaseModel):
+    startup_s: float = 0.0
+    traces_s: float = 0.0
+    scoring_s: float = 0.0
+    statistics_s: float = 0.0
+    publish_s: float = 0.0
+
+
+class CalibrationResult(BaseModel):
+    cue_set: CueSet
+    times: StageTimes
+    published_uri: str | None
+    report_json: str
+    report_png: str
+    paper_rule_selected: list[str]
+
+
+def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) -> CalibrationResult:
+    import ray
+
+    from calibration_jobs.candidates import default_candidates
+    from calibration_jobs.margins import trace_margins
+    from calibration_jobs.select import select_cues
+    from relay_serve.serve.router import check_same_tokenizer
+    from relay_serve.store import CueStore
+
+    times = StageTimes()
+    codec = check_same_tokenizer(cfg.app)
+    pair = model_pair(cfg.app)
+    store = None if dry_run else CueStore(cfg.app.cues.store_uri, cfg.app.cues.storage_options)
+    prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p}])) for p in calibration_prompts(cfg)]
+    batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+    actor = ray.remote(num_cpus=cfg.worker_num_cpus, num_gpus=cfg.worker_num_gpus)(_EngineWorker)
+
+    t0 = time.time()
+    writers = [actor.remote(cfg.app.large.model_dump(mode="json")) for _ in range(cfg.workers)]
+    ray.get([w.__ray_ready__.remote() for w in writers])
+    times.startup_s += time.time() - t0
+    t0 = time.time()
+    calls = [("traces", (b, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed + 1000 * i)) for i, b in enumerate(batches)]
+    traces = [t for part in _run_stage("traces", writers, calls, progress) for t in part]
+    times.traces_s = time.time() - t0
+    for w in writers:
+        ray.kill(w)
+
+    t0 = time.time()
+    scorers = [actor.remote(cfg.app.small.model_dump(mode="json")) for _ in range(cfg.workers)]
+    ray.get([w.__ray_ready__.remote() for w in scorers])
+    times.startup_s += time.time() - t0
+    t0 = time.time()
+    expanded = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
+    seqs = [p + t for p, t in zip(expanded, traces)]
+    step = cfg.batch_size * cfg.samples_per_prompt
+    calls = [("score", (seqs[i : i + step], [len(p) for p in expanded[i : i + step]])) for i in range(0, len(seqs), step)]
+    scored = [r for part in _run_stage("scoring", scorers, calls, progress) for r in part]
+    times.scoring_s = time.time() - t0
+    for w in scorers:
+        ray.kill(w)
+
+    t0 = time.time()
+    candidates = cfg.candidates or default_candidates()
+    by_cue: dict[str, list[float]] = {}
+    all_tokens: list[float] = []
+    for trace, rows in zip(traces, scored):
+        m = trace_margins(codec, trace, rows, candidates)
+        all_tokens += m.all_tokens
+        for cue, values in m.by_cue.items():
+            by_cue.setdefault(cue, []).extend(values)
+    if not all_tokens:
+        raise RuntimeError("the traces hold no reasoning tokens: nothing to calibrate on")
+    overall = sum(all_tokens) / len(all_tokens)
+    table, selected = select_cues(by_cue, candidates, overall, cfg.rule)
+    paper_rule = cfg.rule.model_copy(update={"rule": "mean-above-overall"})
+    _, paper_selected = select_cues(by_cue, candidates, overall, paper_rule)
+    if not selected:
+        raise RuntimeError("no candidate cue passed the selection rule; nothing to publish")
+    version = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    cue_set = CueSet(
+        version=version,
+        pair=pair,
+        candidates=table,
+        overall_mean=overall,
+        overall_count=len(all_tokens),
+        selected=selected,
+        rule=cfg.rule,
+        data=CalibrationData(
+            source=cfg.dataset,
+            num_prompts=len(prompts),
+            samples_per_prompt=cfg.samples_per_prompt,
+            num_traces=len(traces),
+            num_tokens=sum(len(t) for t in traces),
+        ),
+        created_at=datetime.now(timezone.utc),
+        job_id=_job_id(),
+    )
+    times.statistics_s = time.time() - t0
+
+    from calibration_jobs.report import write_report
+
+    report_dir = Path(cfg.report_dir) if cfg.report_dir else envs.state_dir() / "calibration" / version
+    report_json, report_png = write_report(cue_set, report_dir, paper_selected=paper_selected, times=times.model_dump())
+
+    published = None
+    if store is not None:
+        t0 = time.time()
+        report_uri = store.put_report(version, [str(report_json), str(report_png)])
+        published = store.publish(cue_set)  # LATEST moves last, after the report is in place
+        times.publish_s = time.time() - t0
+        report_json, report_png = f"{report_uri}/report.json", f"{report_uri}/margins.png"
+    return CalibrationResult(
+        cue_set=cue_set,
+        times=times,
+        published_uri=published,
+        report_json=str(report_json),
+        report_png=str(report_png),
+        paper_rule_selected=paper_selected,
+    )
+
+
+def _job_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_job_id()
+    except Exception:  # noqa: BLE001 - not in a Ray job
+        return None
+
+
+def build_config(args: argparse.Namespace) -> CalibrationConfig:
+    cfg = CalibrationConfig.load(args.config)
+    updates: dict[str, Any] = {}
+    for field in ("num_prompts", "samples_per_prompt", "workers", "seed"):
+        if getattr(args, field) is not None:
+            updates[field] = getattr(args, field)
+    cfg = cfg.model_copy(update=updates)
+    if args.rule is not None:
+        cfg.rule = cfg.rule.model_copy(update={"rule": args.rule})
+    if args.store is not None:
+        cfg.app.cues.store_uri = args.store
+    return CalibrationConfig.model_validate(cfg.model_dump())
+
+
+def main(args: argparse.Namespace) -> int:
+    import ray
+
+    envs.route_vllm_logs_to_stderr()
+    cfg = build_config(args)
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS") or envs.ray_address():
+            ray.init(address=envs.ray_address() or "auto", log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=max(envs.num_cpus(), cfg.workers), include_dashboard=False, log_to_driver=False)
+    t0 = time.time()
+    try:
+        result = run(cfg, dry_run=args.dry_run, progress=not args.json)
+    except Exception as e:  # noqa: BLE001 - the job fails with a message, nothing published
+        print(f"calibration failed, nothing published: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    summary = {
+        "version": result.cue_set.version,
+        "selected": result.cue_set.selected,
+        "paper_rule_selected": result.paper_rule_selected,
+        "overall_mean": round(result.cue_set.overall_mean, 4),
+        "margins": {s.cue: round(s.mean, 4) for s in result.cue_set.candidates if s.cue in result.cue_set.selected and s.mean is not None},
+        "published": result.published_uri,
+        "report": result.report_json,
+        "plot": result.report_png,
+        "times_s": {k: round(v, 2) for k, v in result.times.model_dump().items()},
+        "wall_s": round(time.time() - t0, 2),
+        "workers": cfg.workers,
+        "traces": result.cue_set.data.num_traces,
+    }
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="calibration config YAML (default: the toy pair)")
+    p.add_argument("--store", help="cue store URI (default: the config's, else file://<state dir>/cues)")
+    p.add_argument("--num-prompts", type=int, help="calibration prompts (default 40)")
+    p.add_argument("--samples-per-prompt", type=int, help="sampled traces per prompt (default 4)")
+    p.add_argument("--workers", type=int, help="Ray workers per stage (default 1)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--rule", choices=["ci-above-overall", "mean-above-overall"])
+    p.add_argument("--dry-run", action="store_true", help="calibrate and report, publish nothing")
+    p.add_argument("--json", action="store_true", help="one JSON line of results, no progress bars")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main(parser().parse_args()))

@@ -1,0 +1,23 @@
+"""Candidate cues: common discourse words of reasoning traces (the paper's candidate pool), each
+with and without a comma and in both cases, plus the toy world's cues."""
+
+from __future__ import annotations
+
+from relay_serve.toy.world import EASY_CUES, HARD_CUES
+
+DISCOURSE_WORDS = (
+    "So", "Thus", "Therefore", "Hence", "But", "However", "Wait", "Hmm", "Now", "Next",
+    "First", "Then", "Also", "Alternatively", "Actually", "Okay", "Well", "Finally",
+    "Similarly", "Again", "Maybe", "Perhaps", "Instead",
+)  # fmt: skip
+
+
+def default_candidates() -> list[str]:
+    forms: list[str] = []
+    for word in DISCOURSE_WORDS:
+        for w in (word, word.lower()):
+            forms += [w, w + ","]
+    for cue in EASY_CUES + HARD_CUES:
+        if cue not in forms:
+            forms.append(cue)
+    return forms

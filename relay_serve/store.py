@@ -1,0 +1,117 @@
+"""The cue store: cue sets in an object store, addressed by URI (file://, s3://, gs://, through fsspec).
+
+Layout under the store's prefix:
+
+    versions/<version>.json   one CueSet document per version, never rewritten
+    reports/<version>/        the calibration run's report.json and margins.png
+    LATEST                    the version readers should use
+
+``publish`` writes the version first and moves ``LATEST`` last, so a reader sees either the old
+set or the new one, never half of one. Every path is built here from a validated version name:
+nothing outside the prefix is ever written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import fsspec
+
+from relay_serve.cues import CueSet
+
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class StoreError(RuntimeError):
+    """The store could not be read or written."""
+
+
+class CorruptCueSet(StoreError):
+    """The store holds something that is not a valid cue set."""
+
+
+def check_version(version: str) -> str:
+    if not _VERSION.match(version) or ".." in version:
+        raise ValueError(f"invalid cue set version {version!r}: letters, digits, '.', '_', '-' only")
+    return version
+
+
+class CueStore:
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.uri = uri.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.uri, **(storage_options or {}))
+        except Exception as e:  # noqa: BLE001 - an unknown protocol or missing driver
+            raise StoreError(f"cannot open cue store {uri!r}: {e}") from e
+        self.root = self.root.rstrip("/")
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def publish(self, cue_set: CueSet) -> str:
+        """Write ``cue_set`` as a new version, then point ``LATEST`` at it. Returns its URI."""
+        version = check_version(cue_set.version)
+        path = self._path("versions", f"{version}.json")
+        try:
+            if self.fs.exists(path):
+                raise StoreError(f"version {version} already exists in {self.uri}")
+            self.fs.makedirs(self._path("versions"), exist_ok=True)
+            self.fs.pipe_file(path, cue_set.model_dump_json(indent=2).encode())
+            self.fs.pipe_file(self._path("LATEST"), version.encode())
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any driver error is a store error
+            raise StoreError(f"cannot write to cue store {self.uri}: {type(e).__name__}: {e}") from e
+        return f"{self.uri}/versions/{version}.json"
+
+    def put_report(self, version: str, files: list[str]) -> str:
+        """Copy a run's report files next to its version: ``reports/<version>/<name>``."""
+        base = self._path("reports", check_version(version))
+        try:
+            self.fs.makedirs(base, exist_ok=True)
+            for f in files:
+                name = f.replace("\\", "/").rsplit("/", 1)[-1]
+                with open(f, "rb") as src:
+                    self.fs.pipe_file(f"{base}/{name}", src.read())
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot write the report to {self.uri}: {type(e).__name__}: {e}") from e
+        return f"{self.uri}/reports/{version}"
+
+    def latest_version(self) -> str | None:
+        path = self._path("LATEST")
+        try:
+            if not self.fs.exists(path):
+                return None
+            raw = self.fs.cat_file(path).decode().strip()
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot read {self.uri}/LATEST: {type(e).__name__}: {e}") from e
+        try:
+            return check_version(raw)
+        except ValueError as e:
+            raise CorruptCueSet(f"{self.uri}/LATEST: {e}") from e
+
+    def load(self, version: str) -> CueSet:
+        path = self._path("versions", f"{check_version(version)}.json")
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError as e:
+            raise CorruptCueSet(f"{self.uri}: LATEST names {version}, which does not exist") from e
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        try:
+            return CueSet.model_validate(json.loads(raw))
+        except Exception as e:  # noqa: BLE001 - invalid JSON or schema
+            raise CorruptCueSet(f"{self.uri}: version {version} is not a valid cue set: {e}") from e
+
+    def load_latest(self) -> CueSet | None:
+        version = self.latest_version()
+        return None if version is None else self.load(version)
+
+    def versions(self) -> list[str]:
+        try:
+            names = self.fs.ls(self._path("versions"), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(n.rsplit("/", 1)[-1].removesuffix(".json") for n in names if n.endswith(".json"))

@@ -1,0 +1,124 @@
+"""The cue store on file:// and on a real S3 endpoint (moto's standalone server on loopback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import pytest
+
+from relay_serve.cues import CalibrationData, CueSet, CueStats, ModelPair, SelectionRule
+from relay_serve.store import CorruptCueSet, CueStore, StoreError, check_version
+from tests.conftest import free_port
+
+
+def make_set(version: str, fingerprint: str = "fp", selected=("Thus,",)) -> CueSet:
+    return CueSet(
+        version=version,
+        pair=ModelPair(large="toy:large", small="toy:small", fingerprint=fingerprint),
+        candidates=[CueStats(cue="Thus,", count=9, mean=0.99, ci_low=0.98, ci_high=1.0)],
+        overall_mean=0.9,
+        overall_count=100,
+        selected=list(selected),
+        rule=SelectionRule(),
+        data=CalibrationData(source="toy", num_prompts=1, samples_per_prompt=1, num_traces=1, num_tokens=10),
+        created_at=datetime.now(timezone.utc),
+    )
+
+
+def test_publish_then_latest(tmp_path):
+    store = CueStore((tmp_path / "cues").as_uri())
+    assert store.latest_version() is None and store.load_latest() is None
+    store.publish(make_set("v1"))
+    store.publish(make_set("v2"))
+    assert store.latest_version() == "v2" and store.load_latest().version == "v2"
+    assert store.versions() == ["v1", "v2"]
+    with pytest.raises(StoreError, match="already exists"):
+        store.publish(make_set("v2"))
+
+
+def test_latest_moves_last(tmp_path, monkeypatch):
+    store = CueStore((tmp_path / "cues").as_uri())
+    store.publish(make_set("v1"))
+    real = store.fs.pipe_file
+
+    def fail_on_latest(path, data, **kw):
+        if path.endswith("LATEST"):
+            raise OSError("disk full")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(store.fs, "pipe_file", fail_on_latest)
+    with pytest.raises(StoreError, match="disk full"):
+        store.publish(make_set("v2"))
+    assert store.latest_version() == "v1"  # readers still see the old, whole set
+
+
+def test_versions_cannot_leave_the_prefix(tmp_path):
+    for bad in ("../x", "a/b", "", ".hidden", "x" * 200):
+        with pytest.raises(ValueError):
+            check_version(bad)
+    store = CueStore((tmp_path / "cues").as_uri())
+    with pytest.raises(ValueError):
+        store.publish(make_set("v1").model_copy(update={"version": "../../etc"}))
+    assert not (tmp_path / "etc").exists()
+
+
+def test_corrupt_sets_are_reported(tmp_path):
+    store = CueStore((tmp_path / "cues").as_uri())
+    (tmp_path / "cues" / "versions").mkdir(parents=True)
+    (tmp_path / "cues" / "versions" / "v9.json").write_text("{not json")
+    (tmp_path / "cues" / "LATEST").write_text("v9")
+    with pytest.raises(CorruptCueSet, match="not a valid cue set"):
+        store.load_latest()
+    (tmp_path / "cues" / "LATEST").write_text("v10")
+    with pytest.raises(CorruptCueSet, match="does not exist"):
+        store.load_latest()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url, timeout=0.5)
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_s3_store_on_a_real_endpoint(s3_endpoint, monkeypatch):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1").create_bucket(Bucket="cues")
+    # credentials and endpoint from config
+    opts = {"key": "k", "secret": "s", "endpoint_url": s3_endpoint}
+    store = CueStore("s3://cues/toy", opts)
+    store.publish(make_set("s1"))
+    assert CueStore("s3://cues/toy", opts).load_latest().version == "s1"
+    # ... or from the usual AWS variables
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    env_store = CueStore("s3://cues/toy")
+    env_store.publish(make_set("s2"))
+    assert env_store.latest_version() == "s2" and env_store.versions() == ["s1", "s2"]
+
+
+def test_unreachable_store_is_a_store_error():
+    store = CueStore(f"s3://cues/x", {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+    with pytest.raises(StoreError):
+        store.latest_version()

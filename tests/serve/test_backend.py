@@ -1,0 +1,88 @@
+"""ServeBackend over fake handles: chunks pass through, an early close cancels the Ray response,
+failures are typed by who can recover."""
+
+import asyncio
+
+import pytest
+
+from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.serve.backend import ServeBackend
+
+
+class FakeResponse:
+    def __init__(self, chunks, fail_after=None):
+        self.chunks, self.fail_after, self.cancelled = chunks, fail_after, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for i, c in enumerate(self.chunks):
+            if self.fail_after is not None and i == self.fail_after:
+                raise RuntimeError("actor died")
+            yield c.model_dump()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, response):
+        self.response, self.options_seen = response, []
+
+    def options(self, **kw):
+        self.options_seen.append(kw)
+        return self
+
+    def remote(self, request):
+        self.request = request
+        return self.response
+
+
+def req(model="large"):
+    return SegmentRequest(model=model, prompt_token_ids=[1, 2], max_tokens=4, session_id="gen-9")
+
+
+CHUNKS = [EngineChunk(token_ids=[5]), EngineChunk(token_ids=[6]), EngineChunk(token_ids=[7], finished=True, finish_reason="length")]
+
+
+def test_chunks_pass_through_with_the_session_id():
+    h = FakeHandle(FakeResponse(CHUNKS))
+    b = ServeBackend(h, None)
+
+    async def go():
+        return [c async for c in b.generate(req())]
+
+    out = asyncio.run(go())
+    assert [c.token_ids for c in out] == [[5], [6], [7]] and out[-1].finished
+    assert h.options_seen == [{"method_name": "generate", "stream": True, "session_id": "gen-9"}]
+    assert not h.response.cancelled
+
+
+def test_closing_early_cancels_the_ray_response():
+    h = FakeHandle(FakeResponse(CHUNKS))
+    b = ServeBackend(h, None)
+
+    async def go():
+        gen = b.generate(req())
+        await gen.__anext__()
+        await gen.aclose()
+
+    asyncio.run(go())
+    assert h.response.cancelled
+
+
+def test_failures_are_typed():
+    async def drain(b, model):
+        return [c async for c in b.generate(req(model))]
+
+    small = FakeHandle(FakeResponse(CHUNKS, fail_after=0))
+    with pytest.raises(SmallModelUnavailable):
+        asyncio.run(drain(ServeBackend(None, small), "small"))
+    small_late = FakeHandle(FakeResponse(CHUNKS, fail_after=1))
+    with pytest.raises(EngineError):  # text already streamed: not silently redone elsewhere
+        asyncio.run(drain(ServeBackend(None, small_late), "small"))
+    large = FakeHandle(FakeResponse(CHUNKS, fail_after=0))
+    with pytest.raises(EngineError, match="actor died"):
+        asyncio.run(drain(ServeBackend(large, None), "large"))

@@ -1,0 +1,51 @@
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from relay_serve.config import AppConfig, resolve_model
+from relay_serve.serve.local import serve_config, serve_config_yaml
+
+
+def test_the_embedded_default_is_the_toy_pair():
+    cfg = AppConfig()
+    assert cfg.large.model == "toy:large" and cfg.small.model == "toy:small"
+    assert resolve_model("toy:large").endswith("toy/models/large")
+    assert cfg.max_model_len == 1024
+    assert cfg.cues.store_uri.startswith("file://")
+
+
+def test_yaml_round_trip_and_unknown_keys_are_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(AppConfig().to_yaml())
+    assert AppConfig.from_yaml(path) == AppConfig()
+    path.write_text("large:\n  model: toy:large\n  enginee_args: {}\n")
+    with pytest.raises(ValidationError, match="enginee_args"):
+        AppConfig.from_yaml(path)
+    path.write_text("policy:\n  min_large_tokens: -1\n")
+    with pytest.raises(ValidationError, match="min_large_tokens"):
+        AppConfig.from_yaml(path)
+
+
+def test_unknown_toy_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown toy model"):
+        resolve_model("toy:medium")
+
+
+def test_serve_config_validates_against_ray_serve_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load(serve_config_yaml(AppConfig()))
+    schema = ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(doc)
+    app = schema.applications[0]
+    assert app.import_path == "relay_serve.serve.app:app_builder"
+    assert AppConfig.model_validate(app.args) == AppConfig()
+    assert serve_config(AppConfig(), port=9000)["http_options"]["port"] == 9000
+
+
+def test_deployment_options_pass_through():
+    cfg = AppConfig.model_validate(
+        {"small": {"model": "toy:small", "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}}}
+    )
+    opts = cfg.small.deployment.serve_options()
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4} and "num_replicas" not in opts
+    assert cfg.large.deployment.serve_options()["num_replicas"] == 1
