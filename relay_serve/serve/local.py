@@ -61,6 +61,9 @@ def serve_forever(cfg: AppConfig, host: str, port: int) -> None:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        import ray
         from ray import serve
 
+        print("stopping relay-serve", flush=True)
         serve.shutdown()
+        ray.shutdown()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ def make_router(scripts=None, **router_cfg):
         "large": {"model": "toy:large", "tokenizer": str(TOKENIZER_DIR)},
         "small": {"model": "toy:small", "tokenizer": str(TOKENIZER_DIR)},
         "router": {"session_affinity": False, **router_cfg},
+        "cues": {"store_uri": Path(tempfile.mkdtemp()).as_uri()},
     }
     from relay_serve.tokenizer import load_codec
 
