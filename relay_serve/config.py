@@ -33,11 +33,13 @@ class DeploymentSettings(Strict):
     max_ongoing_requests: int = Field(64, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
-    def serve_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "ray_actor_options": dict(self.ray_actor_options),
-        }
+    def serve_options(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        actor = {**self.ray_actor_options}
+        if env_vars:
+            runtime_env = dict(actor.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
+            actor["runtime_env"] = runtime_env
+        opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(self.autoscaling_config)
         else:
@@ -125,9 +127,18 @@ class RouterSettings(Strict):
     model_name_prefix: str = Field("", description="prefix of the model ids in /v1/models (e.g. 'qwen3-')")
 
 
+def default_env_vars() -> dict[str, str]:
+    # Ray Serve runs user code and handle routing on the replica's own event loop: a handle call
+    # here took 1.4 ms instead of 3.3 (5.4 -> 2.1 ms streamed), which is most of a handoff's cost.
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
 class AppConfig(Strict):
     name: str = "relay"
     route_prefix: str = "/"
+    env_vars: dict[str, str] = Field(
+        default_factory=default_env_vars, description="set in every deployment's processes (and a local Ray's)"
+    )
     large: ModelSettings = Field(default_factory=lambda: ModelSettings(model="toy:large"))
     small: ModelSettings = Field(default_factory=lambda: ModelSettings(model="toy:small"))
     router: RouterSettings = Field(default_factory=RouterSettings)

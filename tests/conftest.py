@@ -23,8 +23,10 @@ def free_port() -> int:
 def ray_cluster(tmp_path_factory):
     import ray
 
+    from relay_serve.serve.local import init_ray
+
     os.environ["RELAY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=8, log_to_driver=False)
     yield
     from ray import serve
 

@@ -67,7 +67,7 @@ class FakeBackend(Backend):
         self.unavailable: set[str] = set()
         self.cancelled = 0
 
-    async def generate(self, request: SegmentRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
         if request.model in self.unavailable:
             raise SmallModelUnavailable(f"{request.model} deployment has no replica")

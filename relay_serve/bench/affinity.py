@@ -77,11 +77,9 @@ def measure(affinity: bool, requests: int, replicas: int, port: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
-    import ray
+    from relay_serve.serve.local import init_ray
 
-    from relay_serve.serve.local import serve_config  # noqa: F401 - fail early on a broken install
-
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=args.num_cpus, log_to_driver=False)
     results = [measure(a, args.requests, args.replicas, args.port) for a in (True, False)]
     if args.json:
         print(json.dumps(results))

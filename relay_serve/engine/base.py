@@ -21,8 +21,9 @@ class Engine(ABC):
     """One inference engine for one model."""
 
     @abstractmethod
-    def generate(self, request: SegmentRequest, request_id: str) -> AsyncIterator[EngineChunk]:
-        """Stream the output of one request; closing the iterator aborts it."""
+    def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        """Stream the output of one request; closing the iterator aborts it. Without ``stream``
+        the engine may deliver the whole output as one final chunk."""
 
     @abstractmethod
     async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:

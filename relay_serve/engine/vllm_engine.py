@@ -27,7 +27,7 @@ class VLLMEngine(Engine):
     def info(self) -> EngineInfo:
         return EngineInfo(model=self.model, max_model_len=self._max_model_len, tokenizer_fingerprint=self._fingerprint)
 
-    async def generate(self, request: SegmentRequest, request_id: str) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -40,9 +40,11 @@ class VLLMEngine(Engine):
             top_k=s.top_k if s.top_k > 0 else 0,
             seed=s.seed,
             stop=request.stop or None,
+            ignore_eos=request.ignore_eos,
             include_stop_str_in_output=True,
             skip_special_tokens=True,
-            output_kind=RequestOutputKind.DELTA,
+            # FINAL_ONLY spares the replica's event loop one output object per token.
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         async for out in self.engine.generate(prompt, params, request_id):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -109,6 +110,7 @@ class Session:
         cue: str | None = None,
         commit: bool = True,
         sentence: bool = False,
+        ignore_eos: bool = False,
     ) -> SegmentOutcome:
         """Run one engine request over the current context.
 
@@ -126,6 +128,7 @@ class Session:
             max_tokens=max_tokens,
             stop=list(dict.fromkeys(stop + self.user_stops)),
             sampling=self.sampling.for_segment(self.usage.engine_requests),
+            ignore_eos=ignore_eos,
             session_id=self.session_id,
         )
         self.usage.engine_requests += 1
@@ -134,7 +137,8 @@ class Session:
         start_text, start_tokens = len(self.output.text), len(self.output.ids)
         tokens: list[int] = []
         last = EngineChunk()
-        stream = self.backend.generate(request)
+        t0 = time.perf_counter()
+        stream = self.backend.generate(request, stream=self._events is not None and commit)
         try:
             async for chunk in stream:
                 last = chunk
@@ -157,6 +161,8 @@ class Session:
                 cached_tokens=last.cached_tokens,
                 output_tokens=len(tokens),
                 committed=commit,
+                engine_s=last.engine_s,
+                wall_s=time.perf_counter() - t0,
             )
         )
         outcome_reason: FinishReason = last.finish_reason or "stop"
@@ -231,8 +237,11 @@ class Session:
 
     async def run(self, policy) -> GenerationResult:
         """Run ``policy`` to the end and return the whole generation."""
+        t0 = time.perf_counter()
         await policy.run(self)
         self.finish("stop")
+        self.usage.wall_s = time.perf_counter() - t0
+        self.usage.engine_s = sum(r.engine_s or 0.0 for r in self.engine_log)
         return self.result()
 
     async def stream(self, policy) -> AsyncIterator[TextDelta | GenerationResult]:

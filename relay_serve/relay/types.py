@@ -40,6 +40,7 @@ class SegmentRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     stop: list[str] = Field(default_factory=list)
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    ignore_eos: bool = Field(False, description="write max_tokens tokens whatever comes (benchmark replays)")
     session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
 
 
@@ -53,14 +54,16 @@ class EngineChunk(BaseModel):
     stop_reason: str | int | None = Field(default=None, description="the stop string that matched, if any")
     cached_tokens: int = Field(default=0, description="prompt tokens served from the prefix cache")
     replica_id: str | None = None
+    engine_s: float | None = Field(default=None, description="seconds the request spent inside the replica")
 
 
 class Backend(ABC):
     """Runs segment requests on the large or the small model."""
 
     @abstractmethod
-    def generate(self, request: SegmentRequest) -> AsyncIterator[EngineChunk]:
-        """Stream the output of one request; closing the iterator early must abort the request."""
+    def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        """The output of one request; closing the iterator early must abort the request. Without
+        ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching)."""
 
 
 class TextCodec(Protocol):
@@ -91,6 +94,8 @@ class EngineRequestRecord(BaseModel):
     cached_tokens: int
     output_tokens: int
     committed: bool = Field(description="false for a rejected draft")
+    engine_s: float | None = Field(None, description="seconds inside the replica")
+    wall_s: float = Field(0.0, description="seconds from the router's call to the last chunk")
 
 
 class RelayUsage(BaseModel):
@@ -104,6 +109,8 @@ class RelayUsage(BaseModel):
     cue_set_version: str | None = None
     degraded: bool = Field(default=False, description="small-model segments were written by the large model")
     degraded_reason: str | None = None
+    wall_s: float = Field(0.0, description="seconds the router spent on the generation")
+    engine_s: float = Field(0.0, description="of which inside engines (as the replicas measured it)")
 
 
 class GenerationResult(BaseModel):

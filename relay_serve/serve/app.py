@@ -7,13 +7,13 @@ from typing import Any
 from relay_serve.config import AppConfig, ModelSettings
 
 
-def _model_deployment(role: str, m: ModelSettings, affinity: bool):
+def _model_deployment(role: str, m: ModelSettings, affinity: bool, env_vars: dict[str, str]):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from relay_serve.serve.model_server import ModelServer
 
-    opts: dict[str, Any] = {"name": role, **m.deployment.serve_options()}
+    opts: dict[str, Any] = {"name": role, **m.deployment.serve_options(env_vars)}
     if affinity:
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class="relay_serve.serve.affinity.SessionAffinityRouter"
@@ -29,10 +29,10 @@ def build_app(cfg: AppConfig):
 
     check_same_tokenizer(cfg)
     affinity = cfg.router.session_affinity
-    large = _model_deployment("large", cfg.large, affinity)
-    small = _model_deployment("small", cfg.small, affinity)
+    large = _model_deployment("large", cfg.large, affinity, cfg.env_vars)
+    small = _model_deployment("small", cfg.small, affinity, cfg.env_vars)
     router_cls = serve.ingress()(RelayRouter)
-    opts = {"name": "router", **cfg.router.deployment.serve_options()}
+    opts = {"name": "router", **cfg.router.deployment.serve_options(cfg.env_vars)}
     return serve.deployment(router_cls).options(**opts).bind(cfg.model_dump(mode="json"), large, small)
 
 

@@ -16,20 +16,25 @@ class ServeBackend(Backend):
         self.handles = {"large": large, "small": small}
         self.affinity = affinity
 
-    def _handle(self, request: SegmentRequest):
-        opts = {"method_name": "generate", "stream": True}
+    def _handle(self, request: SegmentRequest, stream: bool):
+        opts = {"method_name": "generate" if stream else "complete", "stream": stream}
         if self.affinity:
             opts["session_id"] = request.session_id
         return self.handles[request.model].options(**opts)
 
-    async def generate(self, request: SegmentRequest) -> AsyncIterator[EngineChunk]:
-        response = self._handle(request).remote(request.model_dump())
+    async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        response = self._handle(request, stream).remote(request.model_dump())
         started = finished = False
         try:
-            async for data in response:
-                chunk = EngineChunk.model_validate(data)
-                started = True
-                finished = chunk.finished
+            if stream:
+                async for data in response:
+                    chunk = EngineChunk.model_validate(data)
+                    started = True
+                    finished = chunk.finished
+                    yield chunk
+            else:
+                chunk = EngineChunk.model_validate(await response)
+                started = finished = True
                 yield chunk
         except Exception as e:  # noqa: BLE001 - typed below by who can recover from it
             if request.model == "small" and not started:

@@ -34,19 +34,28 @@ def serve_config_yaml(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -
     return yaml.safe_dump(serve_config(cfg, host, port), sort_keys=False)
 
 
+def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
+    """Connect to RELAY_RAY_ADDRESS, or start a local Ray; ``env_vars`` reach every worker (the
+    Serve controller and proxies too)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": dict(env_vars if env_vars is not None else AppConfig().env_vars)}
+    address = envs.ray_address()
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    else:
+        ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
+
+
 def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None) -> str:
     """Start Ray (unless connected), Serve and the app; return the base URL once it is ready."""
-    import ray
     from ray import serve
 
     from relay_serve.serve.app import build_app
 
-    if not ray.is_initialized():
-        address = envs.ray_address()
-        if address:
-            ray.init(address=address)
-        else:
-            ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False)
+    init_ray(cfg.env_vars, num_cpus)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host

@@ -9,6 +9,7 @@ binds it with each model's own options. The engine class is injected (tests pass
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,27 +44,36 @@ class ModelServer:
         self.requests_in_flight = 0
         log.info("ModelServer %s ready on replica %s: %s", role, self.replica_id, self.engine.info())
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream the output of one segment request (a SegmentRequest as a dict) as EngineChunk dicts."""
+    async def _run(self, request: dict[str, Any], stream: bool) -> AsyncIterator[EngineChunk]:
         req = SegmentRequest.model_validate(request)
         request_id = f"{req.session_id}-{uuid.uuid4().hex[:8]}"
         self.requests_in_flight += 1
+        t0 = time.perf_counter()
         try:
-            async for chunk in self.engine.generate(req, request_id):
+            async for chunk in self.engine.generate(req, request_id, stream=stream):
                 if chunk.finished:
                     chunk.replica_id = self.replica_id
-                yield chunk.model_dump()
+                    chunk.engine_s = time.perf_counter() - t0
+                yield chunk
         finally:
             self.requests_in_flight -= 1
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream the output of one segment request (a SegmentRequest as a dict) as EngineChunk dicts."""
+        async for chunk in self._run(request, stream=True):
+            yield chunk.model_dump()
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The whole output of one segment request at once: token ids, text, finish and stop
         reason, cached prompt tokens, replica."""
-        out = EngineChunk()
-        async for data in self.generate(request):
-            chunk = EngineChunk.model_validate(data)
-            out = chunk.model_copy(update={"token_ids": out.token_ids + chunk.token_ids, "text": out.text + chunk.text})
-        return out.model_dump()
+        ids: list[int] = []
+        text: list[str] = []
+        last = EngineChunk()
+        async for chunk in self._run(request, stream=False):
+            ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            last = chunk
+        return last.model_copy(update={"token_ids": ids, "text": "".join(text)}).model_dump()
 
     async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
         return await self.engine.score(token_ids, start, top_k)

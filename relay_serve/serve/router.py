@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay_serve.config import AppConfig
 from relay_serve.cues import CueProvider
-from relay_serve.relay.policy import POLICY_NAMES, make_policy
+from relay_serve.relay.policy import POLICY_NAMES, Replay, make_policy
 from relay_serve.relay.session import EngineError, Session
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings, TextDelta
 from relay_serve.serve.openai_api import (
@@ -124,13 +124,17 @@ class RelayRouter:
         return {"in_flight": self.in_flight, "affinity_sessions": affinity_map_size()}
 
     async def chat_completions(self, request: Request):
-        req = await self._parse(request, ChatCompletionRequest)
+        return await self._chat(await self._parse(request, ChatCompletionRequest))
+
+    async def completions(self, request: Request):
+        return await self._completion(await self._parse(request, CompletionRequest))
+
+    async def _chat(self, req: ChatCompletionRequest):
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         prompt_ids = self.codec.encode(self.codec.render_chat(messages))
         return await self._serve(req, prompt_ids, chat=True)
 
-    async def completions(self, request: Request):
-        req = await self._parse(request, CompletionRequest)
+    async def _completion(self, req: CompletionRequest):
         if isinstance(req.prompt, list):
             vocab = len(self.codec.tokenizer)
             if any(not 0 <= t < vocab for t in req.prompt):
@@ -139,6 +143,22 @@ class RelayRouter:
         else:
             prompt_ids = self.codec.encode(req.prompt)
         return await self._serve(req, prompt_ids, chat=False)
+
+    async def handle_request(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
+        """For deployment-handle callers (batch jobs): one chat (or completion) request body in,
+        ``{"response": ...}`` or ``{"error": {...OpenAI error...}, "status": <HTTP status>}`` out.
+        Same validation, limits and policies as the HTTP API; no streaming."""
+        try:
+            req = self._validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            if req.stream:
+                raise ClientError("stream is not supported through the deployment handle", param="stream")
+            if chat:
+                return {"response": await self._chat(req)}
+            return {"response": await self._completion(req)}
+        except ClientError as e:
+            return {**error_body(e.message, "invalid_request_error", e.param, e.code), "status": e.status}
+        except ServerError as e:
+            return {**error_body(e.message, "server_error", code=e.code), "status": e.status}
 
     # ---- request handling ----------------------------------------------------------------------
 
@@ -158,6 +178,9 @@ class RelayRouter:
             raise ClientError("the request body is not valid UTF-8", code="invalid_json") from e
         except (json.JSONDecodeError, RecursionError) as e:
             raise ClientError(f"the request body is not valid JSON: {e}", code="invalid_json") from e
+        return self._validate(data, model_cls)
+
+    def _validate(self, data: Any, model_cls):
         if not isinstance(data, dict):
             raise ClientError("the request body must be a JSON object", code="invalid_json")
         try:
@@ -236,7 +259,7 @@ class RelayRouter:
         await self.cues.maybe_refresh()
         cue_set = self.cues.active()  # the set this request starts with is the set it ends with
         session = self._session(req, prompt_ids, max_tokens, cue_set)
-        policy = make_policy(name, self.cfg.policy, cue_set.cues)
+        policy = Replay(req.relay_replay) if req.relay_replay else make_policy(name, self.cfg.policy, cue_set.cues)
         if req.stream:
             return StreamingResponse(self._stream(req, session, policy, chat), media_type="text/event-stream")
         self.in_flight += 1

@@ -232,7 +232,7 @@ def test_degrades_to_the_large_model_when_the_small_one_is_unavailable():
 
 def test_engine_that_ends_a_stream_without_finishing_is_an_error():
     s, backend = make_session({"large": follow(REF), "small": follow(REF)})
-    backend.generate = lambda request: _empty()
+    backend.generate = lambda request, stream=True: _empty()
     with pytest.raises(EngineError):
         run(s, RelayGen(PolicySettings(), CUES))
 
@@ -293,4 +293,14 @@ def test_speculative_thinking_keeps_drafts_without_reflection():
     s, _ = make_session({"large": follow(ref), "small": follow(ref)})
     r = run(s, SpeculativeThinking(PolicySettings(draft_tokens=3)))
     assert r.text == ref and r.usage.large_tokens == 0 and r.usage.discarded_tokens == 0
+    check_invariants(r)
+
+
+def test_replay_reproduces_a_schedule_ignoring_eos():
+    from relay_serve.relay.policy import Replay, ReplayStep
+
+    s, backend = make_session({"large": follow(REF * 3), "small": follow(REF * 3)})
+    r = run(s, Replay([ReplayStep(model="large", tokens=7), ReplayStep(model="small", tokens=3), ReplayStep(model="large", tokens=2)]))
+    assert [(seg.model, seg.tokens) for seg in r.trace] == [("large", 7), ("small", 3), ("large", 2)]
+    assert all(req.ignore_eos for req in backend.requests)
     check_invariants(r)

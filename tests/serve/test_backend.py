@@ -57,6 +57,29 @@ def test_chunks_pass_through_with_the_session_id():
     out = asyncio.run(go())
     assert [c.token_ids for c in out] == [[5], [6], [7]] and out[-1].finished
     assert h.options_seen == [{"method_name": "generate", "stream": True, "session_id": "gen-9"}]
+
+
+def test_unstreamed_segments_take_one_call():
+    class Unary:
+        cancelled = False
+
+        def __await__(self):
+            async def done():
+                return EngineChunk(token_ids=[5, 6], finished=True, finish_reason="stop", stop_reason="x").model_dump()
+
+            return done().__await__()
+
+        def cancel(self):
+            self.cancelled = True
+
+    h = FakeHandle(Unary())
+
+    async def go():
+        return [c async for c in ServeBackend(h, None).generate(req(), stream=False)]
+
+    out = asyncio.run(go())
+    assert [c.token_ids for c in out] == [[5, 6]] and out[0].stop_reason == "x"
+    assert h.options_seen[-1]["method_name"] == "complete" and h.options_seen[-1]["stream"] is False
     assert not h.response.cancelled
 
 
