@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 app = typer.Typer(help="RelayGen as a service: relay reasoning between a large and a small model.", no_args_is_help=True)
 toy_app = typer.Typer(help="The toy reasoning world and its trained model pair.", no_args_is_help=True)
@@ -125,6 +126,118 @@ def toy_speed(
         typer.echo(json.dumps(row) if as_json else f"{row['model']:>5} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step")
 
 
+class Mode(str, Enum):
+    relay = "relay"
+    large = "large"
+    small = "small"
+    spec = "speculative-thinking"
+
+
+@app.command("eval")
+def eval_cmd(
+    dataset: str = typer.Option("toy", "--dataset", help="toy, math500, gsm8k or jsonl:PATH"),
+    mode: Mode = typer.Option(Mode.relay, "--mode"),
+    n: int = typer.Option(100, "--n", min=1, help="problems"),
+    samples: int = typer.Option(1, "--samples", min=1, help="samples per problem (pass@1 is their mean)"),
+    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(0.6, "--temperature", min=0.0),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(20, "--top-k"),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1),
+    concurrency: int = typer.Option(16, "--concurrency", min=1),
+    url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
+    records: Optional[Path] = typer.Option(None, "--records", help="per-problem JSONL (default under the state dir)"),
+    answer_agreement: bool = typer.Option(False, "--answer-agreement", help="keep the large model's reasoning; compare the answers each model writes after it"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """pass@1 of a mode on a dataset, graded with math-verify on the text after </think>."""
+    import time
+
+    from relay_serve import envs
+    from relay_serve.eval.datasets import DatasetError
+    from relay_serve.eval.runner import EvalSettings, run_agreement, run_eval, table
+
+    s = EvalSettings(dataset=dataset, mode=mode.value, n=n, samples=samples, seed=seed, temperature=temperature,
+                     top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
+    kind = "agreement" if answer_agreement else mode.value
+    out = records or envs.state_dir() / "eval" / f"{dataset.replace(':', '_').replace('/', '_')}-{kind}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    try:
+        if answer_agreement:
+            result = run_agreement(s, url, out, progress=not as_json)
+            typer.echo(json.dumps(result.model_dump()) if as_json else json.dumps(result.model_dump(), indent=2))
+            return
+        summary = run_eval(s, url, out, progress=not as_json)
+    except DatasetError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset") from e
+    if not as_json:
+        typer.echo(table(summary))
+        return
+    keys = ("dataset", "mode", "n", "pass_at_1", "small_token_share", "switches_per_request")
+    typer.echo(json.dumps({k: getattr(summary, k) for k in keys}))
+
+
+@app.command("bench")
+def bench_cmd(
+    concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
+    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode and level"),
+    replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the relay schedules on the speed pair"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """large, relay, small and speculative-thinking side by side: latency, throughput, token shares,
+    cache hits, router overhead, ideal against achieved speedup. Writes JSON, markdown and PNG plots."""
+    import time
+
+    from relay_serve import envs
+    from relay_serve.bench.bench import BenchSettings, run_bench
+
+    s = BenchSettings(concurrency=[int(c) for c in concurrency.split(",")], requests_per_level=requests)
+    folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
+    report = run_bench(s, folder, replay=replay, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], "replay": report.get("replay")}))
+    else:
+        typer.echo((folder / "bench.md").read_text())
+        typer.echo(f"written to {folder}")
+
+
+class OutFormat(str, Enum):
+    parquet = "parquet"
+    jsonl = "jsonl"
+
+
+@app.command("batch")
+def batch_cmd(
+    input: str = typer.Option(..., "--input", help="a .jsonl or .parquet file (local path or object-store URI)"),
+    output: str = typer.Option(..., "--output", help="results folder; rerun with the same folder to resume"),
+    mode: Mode = typer.Option(Mode.relay, "--mode"),
+    concurrency: int = typer.Option(32, "--concurrency", min=1, help="requests in flight"),
+    fmt: OutFormat = typer.Option(OutFormat.parquet, "--format", help="results as parquet or jsonl"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="default for rows that do not set it"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0),
+    app_name: str = typer.Option("relay", "--app", help="the Serve app to use (started here if none runs)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON line"),
+) -> None:
+    """Batch inference on Ray Data through the router's deployment handle, resumable."""
+    from relay_serve.batch import BatchSettings, run_batch
+
+    try:
+        s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency,
+                          format=fmt.value, max_tokens=max_tokens, temperature=temperature)  # fmt: skip
+    except ValidationError as e:
+        raise typer.BadParameter(str(e)) from e
+    try:
+        summary = run_batch(s, progress=not as_json, app_name=app_name)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e), param_hint="--input") from e
+    if as_json:
+        typer.echo(summary.model_dump_json())
+        return
+    typer.echo(summary.model_dump_json(indent=2))
+    if summary.malformed or summary.failed:
+        typer.echo(f"{summary.malformed} malformed and {summary.failed} failed rows: see {summary.errors_file}", err=True)
+
+
 class Rule(str, Enum):
     ci = "ci-above-overall"
     paper = "mean-above-overall"
@@ -189,8 +302,6 @@ def config_cmd(
 
 
 def _load_config(path: Optional[Path]):
-    from pydantic import ValidationError
-
     from relay_serve.config import AppConfig
 
     try:

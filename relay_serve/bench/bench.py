@@ -1,0 +1,306 @@
+"""``relay-serve bench``: large, relay, small and speculative-thinking side by side, on the same
+prompts and seeds, at several concurrencies; then the recorded relay schedules replayed on the
+speed pair (random weights, a large model ~10x the small one per token) to tell whether the system
+or the model is the bottleneck. Writes JSON, a markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+MODES = ("large", "relay", "small", "speculative-thinking")
+
+
+class BenchSettings(BaseModel):
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    requests_per_level: int = Field(32, description="requests per mode and concurrency (at least the concurrency)")
+    seed: int = 0
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_tokens: int = 256
+    replay_requests: int = 16
+    replay_concurrency: list[int] = Field(default_factory=lambda: [1, 8])
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+async def _fire(base: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(body: dict) -> dict:
+            async with sem:
+                t0 = time.perf_counter()
+                r = await client.post(base + "/v1/chat/completions", json=body)
+                latency = time.perf_counter() - t0
+            r.raise_for_status()
+            out = r.json()
+            out["_latency_s"] = latency
+            return out
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        return results, time.perf_counter() - t0
+
+
+def level_metrics(results: list[dict], wall_s: float) -> dict[str, Any]:
+    lat = [r["_latency_s"] for r in results]
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    relay = [r["usage"]["relay"] for r in results]
+    engine_reqs = [e for r in results for e in r.get("relay_engine_requests", [])]
+    prompt = sum(e["prompt_tokens"] for e in engine_reqs)
+    overhead = [
+        (u["wall_s"] - u["engine_s"]) / u["switches"] for u in relay if u["switches"] > 0
+    ]
+    per_request_overhead = [u["wall_s"] - u["engine_s"] for u in relay]
+    return {
+        "requests": len(results),
+        "latency_p50_s": round(pct(lat, 0.5), 4),
+        "latency_p90_s": round(pct(lat, 0.9), 4),
+        "latency_mean_s": round(statistics.fmean(lat), 4),
+        "output_tokens_per_s": round(tokens / wall_s, 1),
+        "output_tokens": tokens,
+        "small_token_share": round(sum(u["small_tokens"] for u in relay) / max(1, tokens), 4),
+        "switches_per_request": round(statistics.fmean(u["switches"] for u in relay), 3),
+        "cached_prompt_token_ratio": round(sum(e["cached_tokens"] for e in engine_reqs) / prompt, 4) if prompt else None,
+        "router_overhead_per_switch_ms_p50": round(1000 * pct(overhead, 0.5), 3) if overhead else None,
+        "router_overhead_per_request_ms_p50": round(1000 * pct(per_request_overhead, 0.5), 3),
+        "degraded_requests": sum(1 for u in relay if u.get("degraded")),
+    }
+
+
+def per_token_cost(results: list[dict]) -> float:
+    """Seconds per output token of one model alone, at concurrency 1."""
+    return statistics.fmean(r["_latency_s"] / max(1, r["usage"]["completion_tokens"]) for r in results)
+
+
+def ideal_speedup(relay_results: list[dict], c_large: float, c_small: float) -> float:
+    """Large-only time over relay time if each token cost exactly its model's per-token cost."""
+    n = sum(r["usage"]["completion_tokens"] for r in relay_results)
+    nl = sum(r["usage"]["relay"]["large_tokens"] for r in relay_results)
+    ns = sum(r["usage"]["relay"]["small_tokens"] for r in relay_results)
+    return (n * c_large) / (nl * c_large + ns * c_small)
+
+
+def _bodies(s: BenchSettings, mode: str, prompts: list[str], n: int) -> list[dict]:
+    return [
+        {
+            "model": mode,
+            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": s.seed + i,
+            "relay_trace": True,
+        }
+        for i in range(n)
+    ]
+
+
+def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str, Any]:
+    """Every mode at every concurrency on the trained toy pair."""
+    from tqdm import tqdm
+
+    from relay_serve.toy.world import ToyWorld
+
+    n_max = max(max(s.concurrency), s.requests_per_level)
+    prompts = [p.prompt for p in ToyWorld().sample_heldout(n_max, seed=s.seed)]
+    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up both engines
+    levels: dict[str, dict[int, dict]] = {m: {} for m in MODES}
+    raw: dict[tuple[str, int], list[dict]] = {}
+    bar = tqdm(total=len(MODES) * len(s.concurrency), desc="bench", disable=not progress)
+    for c in s.concurrency:
+        n = max(c, s.requests_per_level)
+        for mode in MODES:
+            results, wall = asyncio.run(_fire(base, _bodies(s, mode, prompts, n), c))
+            raw[(mode, c)] = results
+            levels[mode][c] = level_metrics(results, wall)
+            bar.update(1)
+    bar.close()
+    c1 = min(s.concurrency)
+    c_large, c_small = per_token_cost(raw[("large", c1)]), per_token_cost(raw[("small", c1)])
+    speedups = {}
+    for c in s.concurrency:
+        for mode in ("relay", "speculative-thinking"):
+            achieved = levels["large"][c]["latency_mean_s"] / levels[mode][c]["latency_mean_s"]
+            levels[mode][c]["achieved_speedup"] = round(achieved, 3)
+            levels[mode][c]["ideal_speedup"] = round(ideal_speedup(raw[(mode, c)], c_large, c_small), 3)
+    schedules = [
+        [{"model": seg["model"], "tokens": seg["tokens"]} for seg in r["relay_trace"] if seg["tokens"] > 0]
+        for r in raw[("relay", c1)]
+    ]
+    speedups = {"per_token_cost_ms": {"large": round(1000 * c_large, 3), "small": round(1000 * c_small, 3)}}
+    return {"levels": levels, "schedules": schedules, **speedups}
+
+
+def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progress: bool = True) -> dict[str, Any]:
+    """The recorded relay schedules on the speed pair: relay against large-only and small-only
+    replays of the same token counts."""
+    chosen = schedules[: s.replay_requests]
+    variants = {
+        "relay": chosen,
+        "large": [[{"model": "large", "tokens": sum(x["tokens"] for x in sch)}] for sch in chosen],
+        "small": [[{"model": "small", "tokens": sum(x["tokens"] for x in sch)}] for sch in chosen],
+    }
+
+    def bodies(name: str) -> list[dict]:
+        return [
+            {"model": "relay", "messages": [{"role": "user", "content": "Start at b3. Follow the map four times."}],
+             "max_tokens": sum(x["tokens"] for x in sch) + 1, "temperature": 0.0, "relay_replay": sch, "relay_trace": True}
+            for sch in variants[name]
+        ]  # fmt: skip
+
+    asyncio.run(_fire(base, bodies("relay")[:2], 2))  # warm up
+    out: dict[str, Any] = {"levels": {}}
+    for c in s.replay_concurrency:
+        res = {name: asyncio.run(_fire(base, bodies(name), c)) for name in variants}
+        level = {name: level_metrics(r, wall) for name, (r, wall) in res.items()}
+        c_large = per_token_cost(res["large"][0])
+        c_small = per_token_cost(res["small"][0])
+        ideal = ideal_speedup(res["relay"][0], c_large, c_small)
+        achieved = level["large"]["latency_mean_s"] / level["relay"]["latency_mean_s"]
+        level["speedup"] = {
+            "per_token_cost_ms": {"large": round(1000 * c_large, 3), "small": round(1000 * c_small, 3)},
+            "ideal": round(ideal, 3),
+            "achieved": round(achieved, 3),
+            "achieved_over_ideal": round(achieved / ideal, 3),
+        }
+        out["levels"][c] = level
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"Benchmark {report['started']} on {report['machine']}",
+        "",
+        "Trained toy pair (same prompts and seeds for every mode):",
+        "",
+        "| mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | small share | switches/req | cached prompt ratio | router overhead/switch p50 (ms) | speedup achieved / ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, levels in report["trained"]["levels"].items():
+        for c, m in sorted(levels.items(), key=lambda kv: int(kv[0])):
+            sp = f"{m['achieved_speedup']} / {m['ideal_speedup']}" if "achieved_speedup" in m else "-"
+            lines.append(
+                f"| {mode} | {c} | {m['latency_p50_s']} | {m['latency_p90_s']} | {m['output_tokens_per_s']} | "
+                f"{m['small_token_share']} | {m['switches_per_request']} | {m['cached_prompt_token_ratio']} | "
+                f"{m['router_overhead_per_switch_ms_p50'] if m['router_overhead_per_switch_ms_p50'] is not None else '-'} | {sp} |"
+            )
+    pc = report["trained"]["per_token_cost_ms"]
+    lines += ["", f"Per-token cost at concurrency 1: large {pc['large']} ms, small {pc['small']} ms.", ""]
+    if report.get("replay"):
+        lines += [
+            "Speed pair (random weights), replaying the relay's recorded segment schedules:",
+            "",
+            "| concurrency | large ms/token | small ms/token | ideal speedup | achieved speedup | achieved / ideal | router overhead/switch p50 (ms) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c, level in sorted(report["replay"]["levels"].items(), key=lambda kv: int(kv[0])):
+            sp = level["speedup"]
+            lines.append(
+                f"| {c} | {sp['per_token_cost_ms']['large']} | {sp['per_token_cost_ms']['small']} | {sp['ideal']} | "
+                f"{sp['achieved']} | {sp['achieved_over_ideal']} | {level['relay']['router_overhead_per_switch_ms_p50']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    levels = report["trained"]["levels"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, by_c in levels.items():
+        cs = sorted(by_c, key=int)
+        ax.plot([int(c) for c in cs], [by_c[c]["latency_p50_s"] for c in cs], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("p50 latency (s)")
+    ax.set_title("latency per mode, trained toy pair")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels, ideal, achieved = [], [], []
+    for c, m in sorted(levels["relay"].items(), key=lambda kv: int(kv[0])):
+        labels.append(f"toy c={c}")
+        ideal.append(m["ideal_speedup"])
+        achieved.append(m["achieved_speedup"])
+    for c, level in sorted(report.get("replay", {}).get("levels", {}).items(), key=lambda kv: int(kv[0])):
+        labels.append(f"speed pair c={c}")
+        ideal.append(level["speedup"]["ideal"])
+        achieved.append(level["speedup"]["achieved"])
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], ideal, width=0.4, label="ideal")
+    ax.bar([i + 0.2 for i in x], achieved, width=0.4, label="achieved")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(list(x), labels, rotation=20)
+    ax.set_ylabel("relay speedup over large")
+    ax.set_title("relay speedup: achieved against ideal")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def machine() -> str:
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU, Python {platform.python_version()}"
+
+
+def run_bench(s: BenchSettings, out: Path, replay: bool = True, progress: bool = True) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from relay_serve.config import AppConfig
+    from relay_serve.eval.runner import _free_port
+    from relay_serve.serve.local import start
+
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "settings": s.model_dump()}
+    port = _free_port()
+    base = start(AppConfig(), port=port)
+    report["trained"] = run_trained(base, s, progress)
+    serve.delete("relay")
+    if replay:
+        from relay_serve.toy.speed_pair import ensure_speed_pair
+
+        large, small = ensure_speed_pair()
+        cfg = AppConfig.model_validate({"large": {"model": str(large)}, "small": {"model": str(small)}})
+        base = start(cfg, port=port)
+        report["replay"] = run_replay(base, s, report["trained"]["schedules"], progress)
+        serve.delete("relay")
+    serve.shutdown()
+    ray.shutdown()
+    report["trained"]["schedules"] = report["trained"]["schedules"][:8]  # a sample, to keep the JSON small
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(report))
+    report["plots"] = [str(p) for p in plots(report, out)]
+    return report
