@@ -32,6 +32,7 @@ class BenchSettings(BaseModel):
 
 
 def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile with linear interpolation (numpy's default), NaN when empty."""
     if not values:
         return float("nan")
     v = sorted(values)
@@ -136,7 +137,6 @@ def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str,
     bar.close()
     c1 = min(s.concurrency)
     c_large, c_small = per_token_cost(raw[("large", c1)]), per_token_cost(raw[("small", c1)])
-    speedups = {}
     for c in s.concurrency:
         for mode in ("relay", "speculative-thinking"):
             achieved = levels["large"][c]["latency_mean_s"] / levels[mode][c]["latency_mean_s"]
@@ -146,8 +146,8 @@ def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str,
         [{"model": seg["model"], "tokens": seg["tokens"]} for seg in r["relay_trace"] if seg["tokens"] > 0]
         for r in raw[("relay", c1)]
     ]
-    speedups = {"per_token_cost_ms": {"large": round(1000 * c_large, 3), "small": round(1000 * c_small, 3)}}
-    return {"levels": levels, "schedules": schedules, **speedups}
+    cost = {"large": round(1000 * c_large, 3), "small": round(1000 * c_small, 3)}
+    return {"levels": levels, "schedules": schedules, "per_token_cost_ms": cost}
 
 
 def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progress: bool = True) -> dict[str, Any]:

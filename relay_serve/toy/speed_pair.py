@@ -4,6 +4,7 @@ that costs about ten times the small one per token. Written to the state folder 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -54,6 +55,8 @@ def _ensure(spec: SpeedModel, root: Path, seed: int) -> Path:
     )
     model = LlamaForCausalLM(config)
     tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a run that died half-way
+    shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     tmp.rename(out)
