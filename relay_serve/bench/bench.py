@@ -167,10 +167,16 @@ def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progres
             for sch in variants[name]
         ]  # fmt: skip
 
+    from tqdm import tqdm
+
     asyncio.run(_fire(base, bodies("relay")[:2], 2))  # warm up
     out: dict[str, Any] = {"levels": {}}
+    bar = tqdm(total=len(s.replay_concurrency) * len(variants), desc="replay on the speed pair", disable=not progress)
     for c in s.replay_concurrency:
-        res = {name: asyncio.run(_fire(base, bodies(name), c)) for name in variants}
+        res = {}
+        for name in variants:
+            res[name] = asyncio.run(_fire(base, bodies(name), c))
+            bar.update(1)
         level = {name: level_metrics(r, wall) for name, (r, wall) in res.items()}
         c_large = per_token_cost(res["large"][0])
         c_small = per_token_cost(res["small"][0])
@@ -183,6 +189,7 @@ def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progres
             "achieved_over_ideal": round(achieved / ideal, 3),
         }
         out["levels"][c] = level
+    bar.close()
     return out
 
 
