@@ -36,8 +36,11 @@ class CalibrationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    app: AppConfig = Field(default_factory=AppConfig, description="the pair, its engines and the cue store")
-    dataset: str = Field(TOY, description="'toy' or 'jsonl:PATH' of {\"problem\": ...} lines")
+    app: AppConfig = Field(
+        default_factory=AppConfig,
+        description="the pair, its engines and the cue store: inline, or the path of an app config YAML (relative to this file)",
+    )
+    dataset: str = Field(TOY, description="'toy' (training problems), 'gsm8k', 'math500' or 'jsonl:PATH' of {\"problem\": ...} lines")
     num_prompts: int = Field(40, ge=1)
     samples_per_prompt: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
@@ -47,8 +50,8 @@ class CalibrationConfig(BaseModel):
     candidates: list[str] | None = Field(None, description="default: the discourse-word pool plus the toy cues")
     rule: SelectionRule = Field(default_factory=SelectionRule)
     workers: int = Field(1, ge=1, description="Ray workers per stage, each holding one engine")
-    worker_num_cpus: float = Field(1.0, gt=0.0)
-    worker_num_gpus: float = Field(0.0, ge=0.0)
+    worker_num_cpus: float | None = Field(None, gt=0.0, description="default: the model deployment's num_cpus")
+    worker_num_gpus: float | None = Field(None, ge=0.0, description="default: the model deployment's num_gpus")
     batch_size: int = Field(16, ge=1, description="prompts per Ray task")
     report_dir: str | None = Field(None, description="default: <state dir>/calibration/<version>")
 
@@ -56,7 +59,25 @@ class CalibrationConfig(BaseModel):
     def load(cls, path: str | None) -> CalibrationConfig:
         if path is None:
             return cls()
-        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping")
+        if isinstance(data.get("app"), str):  # the service's own config file, shared
+            data["app"] = AppConfig.from_yaml(Path(path).parent / data["app"])
+        return cls.model_validate(data)
+
+    def actor_options(self, m: ModelSettings) -> dict[str, Any]:
+        """Ray options of a worker holding ``m``'s engine: its deployment's CPUs, GPUs, custom
+        resources and runtime env (so it lands where that model's replicas land)."""
+        actor = m.deployment.ray_actor_options
+        opts: dict[str, Any] = {
+            "num_cpus": self.worker_num_cpus if self.worker_num_cpus is not None else actor.get("num_cpus", 1),
+            "num_gpus": self.worker_num_gpus if self.worker_num_gpus is not None else actor.get("num_gpus", 0),
+        }
+        for key in ("resources", "runtime_env", "accelerator_type", "memory"):
+            if actor.get(key):
+                opts[key] = actor[key]
+        return opts
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -75,14 +96,12 @@ def calibration_prompts(cfg: CalibrationConfig) -> list[str]:
         if cfg.num_prompts > len(pool):
             raise ValueError(f"num_prompts={cfg.num_prompts} exceeds the {len(pool)} toy training problems")
         return [p.prompt for p in pool[: cfg.num_prompts]]
-    if cfg.dataset.startswith("jsonl:"):
-        path = Path(cfg.dataset[len("jsonl:") :])
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        prompts = [r["problem"] for r in rows][: cfg.num_prompts]
-        if len(prompts) < cfg.num_prompts:
-            raise ValueError(f"{path} holds {len(prompts)} problems, fewer than num_prompts={cfg.num_prompts}")
-        return prompts
-    raise ValueError(f"unknown dataset {cfg.dataset!r}: use 'toy' or 'jsonl:PATH'")
+    from relay_serve.eval.datasets import DatasetError, load_problems
+
+    try:
+        return [p.problem for p in load_problems(cfg.dataset, cfg.num_prompts)]
+    except DatasetError as e:
+        raise ValueError(f"calibration dataset: {e}") from e
 
 
 # ---- Ray workers --------------------------------------------------------------------------------
@@ -159,10 +178,10 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
     store = None if dry_run else CueStore(cfg.app.cues.store_uri, cfg.app.cues.storage_options)
     prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p}])) for p in calibration_prompts(cfg)]
     batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-    actor = ray.remote(num_cpus=cfg.worker_num_cpus, num_gpus=cfg.worker_num_gpus)(_EngineWorker)
+    actor = ray.remote(_EngineWorker)
 
     t0 = time.time()
-    writers = [actor.remote(cfg.app.large.model_dump(mode="json")) for _ in range(cfg.workers)]
+    writers = [actor.options(**cfg.actor_options(cfg.app.large)).remote(cfg.app.large.model_dump(mode="json")) for _ in range(cfg.workers)]
     ray.get([w.__ray_ready__.remote() for w in writers])
     times.startup_s += time.time() - t0
     t0 = time.time()
@@ -173,7 +192,7 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
         ray.kill(w)
 
     t0 = time.time()
-    scorers = [actor.remote(cfg.app.small.model_dump(mode="json")) for _ in range(cfg.workers)]
+    scorers = [actor.options(**cfg.actor_options(cfg.app.small)).remote(cfg.app.small.model_dump(mode="json")) for _ in range(cfg.workers)]
     ray.get([w.__ray_ready__.remote() for w in scorers])
     times.startup_s += time.time() - t0
     t0 = time.time()
