@@ -21,9 +21,12 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from relay_serve.config import AppConfig
 
 log = logging.getLogger(__name__)
 
@@ -372,24 +375,27 @@ async def run_batch_async(s: BatchSettings, call: Call, progress: bool = True) -
     return summary
 
 
-def router_handle(app_name: str = "relay"):
-    """The running app's router handle, or the embedded default app started here."""
+def router_handle(cfg: AppConfig | None = None):
+    """The router handle of the running app named ``cfg.name``, or of ``cfg`` (default: the
+    embedded toy app) started here when no such app runs."""
     from ray import serve
 
     from relay_serve.config import AppConfig
     from relay_serve.serve.local import init_ray, start
 
-    init_ray()
+    cfg = cfg or AppConfig()
+    init_ray(cfg.env_vars)
     try:
-        serve.get_app_handle(app_name)
-    except Exception:  # noqa: BLE001 - no Serve or no such app on this cluster: start the default
-        log.info("no app %r is running: starting the default app", app_name)
-        start(AppConfig(name=app_name))
-    return serve.get_deployment_handle("router", app_name=app_name)
+        serve.get_app_handle(cfg.name)
+    except Exception:  # noqa: BLE001 - no Serve or no such app on this cluster: start it
+        log.info("no app %r is running: starting it", cfg.name)
+        start(cfg)
+    return serve.get_deployment_handle("router", app_name=cfg.name)
 
 
-def run_batch(s: BatchSettings, progress: bool = True, app_name: str = "relay") -> BatchSummary:
-    handle = router_handle(app_name)
+def run_batch(s: BatchSettings, progress: bool = True, cfg: AppConfig | None = None) -> BatchSummary:
+    _input_kind(s.input)  # refuse a bad input before starting anything
+    handle = router_handle(cfg)
 
     async def call(body: dict[str, Any]) -> dict[str, Any]:
         return await handle.handle_request.remote(body)

@@ -215,11 +215,15 @@ def batch_cmd(
     fmt: OutFormat = typer.Option(OutFormat.parquet, "--format", help="results as parquet or jsonl"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="default for rows that do not set it"),
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0),
-    app_name: str = typer.Option("relay", "--app", help="the Serve app to use (started here if none runs)"),
+    config: Optional[Path] = typer.Option(
+        None, "--config", exists=True, dir_okay=False, help="the app to use: its name is looked up, and it is started if not running"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON line"),
 ) -> None:
     """Batch inference on Ray Data through the router's deployment handle, resumable."""
     from relay_serve.batch import BatchSettings, run_batch
+
+    cfg = _load_config(config)
 
     try:
         s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency,
@@ -227,7 +231,7 @@ def batch_cmd(
     except ValidationError as e:
         raise typer.BadParameter(str(e)) from e
     try:
-        summary = run_batch(s, progress=not as_json, app_name=app_name)
+        summary = run_batch(s, progress=not as_json, cfg=cfg)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e), param_hint="--input") from e
     if as_json:
@@ -272,6 +276,7 @@ def calibrate_cmd(
 class ConfigFormat(str, Enum):
     app = "app"
     serve = "serve"
+    k8s = "k8s"
 
 
 @app.command("serve")
@@ -290,15 +295,37 @@ def serve_cmd(
 @app.command("config")
 def config_cmd(
     config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False),
-    fmt: ConfigFormat = typer.Option(ConfigFormat.app, "--format", help="app: the app config; serve: a Ray Serve config file"),
-    host: str = typer.Option("0.0.0.0", "--host"),
-    port: int = typer.Option(8000, "--port"),
+    fmt: ConfigFormat = typer.Option(
+        ConfigFormat.app, "--format", help="app: the app config; serve: a Ray Serve config file; k8s: a RayService's serveConfigV2"
+    ),
+    host: str = typer.Option("0.0.0.0", "--host", help="serve format only"),
+    port: int = typer.Option(8000, "--port", help="serve format only"),
+    into: Optional[Path] = typer.Option(
+        None, "--into", exists=True, dir_okay=False, help="k8s format: rewrite this manifest's serveConfigV2 in place"
+    ),
 ) -> None:
     """Print the effective configuration."""
     from relay_serve.serve.local import serve_config_yaml
 
     cfg = _load_config(config)
-    typer.echo(cfg.to_yaml() if fmt is ConfigFormat.app else serve_config_yaml(cfg, host, port), nl=False)
+    if into is not None and fmt is not ConfigFormat.k8s:
+        raise typer.BadParameter("--into needs --format k8s", param_hint="--into")
+    if fmt is ConfigFormat.app:
+        typer.echo(cfg.to_yaml(), nl=False)
+    elif fmt is ConfigFormat.serve:
+        typer.echo(serve_config_yaml(cfg, host, port), nl=False)
+    else:
+        from relay_serve.k8s import render_into, serve_config_v2
+
+        rendered = serve_config_v2(cfg)
+        if into is None:
+            typer.echo(rendered, nl=False)
+            return
+        try:
+            into.write_text(render_into(into.read_text(), rendered))
+        except ValueError as e:
+            raise typer.BadParameter(f"{into}: {e}", param_hint="--into") from e
+        typer.echo(f"wrote serveConfigV2 into {into}")
 
 
 def _load_config(path: Optional[Path]):
