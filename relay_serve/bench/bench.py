@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from pydantic import BaseModel, Field
 
 MODES = ("large", "relay", "small", "speculative-thinking")
@@ -32,13 +33,8 @@ class BenchSettings(BaseModel):
 
 
 def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile with linear interpolation (numpy's default), NaN when empty."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+    """The ``q`` quantile (linear interpolation), NaN when empty."""
+    return float(np.quantile(values, q)) if values else float("nan")
 
 
 async def _fire(base: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:

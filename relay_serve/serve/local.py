@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from typing import Any
 
@@ -66,6 +67,11 @@ def serve_forever(cfg: AppConfig, host: str, port: int) -> None:
     t0 = time.time()
     url = start(cfg, host, port)
     print(f"relay-serve is ready at {url}/v1 (started in {time.time() - t0:.1f} s); Ctrl-C stops it", flush=True)
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM (kill, a container stop) shuts down as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         while True:
             time.sleep(3600)
