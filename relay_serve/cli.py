@@ -191,7 +191,13 @@ def bench_cmd(
     from relay_serve import envs
     from relay_serve.bench.bench import BenchSettings, run_bench
 
-    s = BenchSettings(concurrency=[int(c) for c in concurrency.split(",")], requests_per_level=requests)
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+        if any(c < 1 for c in levels):
+            raise ValueError
+    except ValueError:
+        raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8,32", param_hint="--concurrency") from None
+    s = BenchSettings(concurrency=levels, requests_per_level=requests)
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
     report = run_bench(s, folder, replay=replay, progress=not as_json)
     if as_json:

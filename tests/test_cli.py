@@ -1,0 +1,33 @@
+"""Bad command-line input gets a usage error naming the option, never a traceback."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from relay_serve.cli import app
+
+runner = CliRunner()
+
+
+def test_bench_concurrency_is_checked():
+    r = runner.invoke(app, ["bench", "--concurrency", "1,x"])
+    assert r.exit_code == 2 and "--concurrency" in r.output and r.exception.__class__ is SystemExit
+
+
+def test_batch_refuses_a_bad_input_before_starting_anything(tmp_path):
+    r = runner.invoke(app, ["batch", "--input", str(tmp_path / "in.csv"), "--output", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--input" in r.output and ".parquet" in r.output
+
+
+def test_eval_unknown_dataset_is_named(tmp_path):
+    r = runner.invoke(app, ["eval", "--dataset", "aime", "--records", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 2 and "--dataset" in r.output and "unknown dataset" in r.output
+
+
+def test_config_into_needs_k8s(tmp_path):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("spec:\n  serveConfigV2: |\n    x: 1\n")
+    r = runner.invoke(app, ["config", "--into", str(manifest)])
+    assert r.exit_code == 2 and "--into" in r.output
+    r = runner.invoke(app, ["config", "--format", "k8s", "--into", str(manifest)])
+    assert r.exit_code == 0 and "import_path: relay_serve.serve.app:app_builder" in manifest.read_text()
