@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from relay_serve.toy import speed_pair
-from relay_serve.toy.speed_pair import SpeedModel
+from relay_serve.toy.train import ModelSpec
 
 
 def test_written_once_and_rewritten_on_a_new_spec(tmp_path, monkeypatch):
-    tiny = SpeedModel(name="speed-large", hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2)
+    tiny = ModelSpec(name="speed-large", hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, steps=0)
     monkeypatch.setattr(speed_pair, "SPEED_LARGE", tiny)
     large, small = speed_pair.ensure_speed_pair(tmp_path)
     assert (large / "config.json").exists() and (small / "tokenizer.json").exists()
