@@ -23,6 +23,9 @@ class ClientError(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, "invalid_request_error", self.param, self.code)
+
 
 class ServerError(Exception):
     """The service is at fault: HTTP 5xx."""
@@ -30,6 +33,9 @@ class ServerError(Exception):
     def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, "server_error", None, self.code)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -155,10 +155,8 @@ class RelayRouter:
             if chat:
                 return {"response": await self._chat(req)}
             return {"response": await self._completion(req)}
-        except ClientError as e:
-            return {**error_body(e.message, "invalid_request_error", e.param, e.code), "status": e.status}
-        except ServerError as e:
-            return {**error_body(e.message, "server_error", code=e.code), "status": e.status}
+        except (ClientError, ServerError) as e:
+            return {**e.body(), "status": e.status}
 
     # ---- request handling ----------------------------------------------------------------------
 
@@ -348,11 +346,11 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, "invalid_request_error", exc.param, exc.code), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, "server_error", None, exc.code), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
