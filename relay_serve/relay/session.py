@@ -226,6 +226,7 @@ class Session:
         self.usage.small_tokens = self.output.count("small")
         self.usage.segments = len(trace)
         self.usage.switches = sum(1 for a, b in zip(trace, trace[1:]) if a.model != b.model)
+        self.usage.engine_s = sum(r.engine_s or 0.0 for r in self.engine_log)
         return GenerationResult(
             text=self.output.text,
             token_ids=list(self.output.ids),
@@ -241,7 +242,6 @@ class Session:
         await policy.run(self)
         self.finish("stop")
         self.usage.wall_s = time.perf_counter() - t0
-        self.usage.engine_s = sum(r.engine_s or 0.0 for r in self.engine_log)
         return self.result()
 
     async def stream(self, policy) -> AsyncIterator[TextDelta | GenerationResult]:
