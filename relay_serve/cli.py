@@ -11,6 +11,10 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
+from relay_serve.config import PaperSampling
+
+PAPER = PaperSampling()  # eval's sampling defaults
+
 app = typer.Typer(help="RelayGen as a service: relay reasoning between a large and a small model.", no_args_is_help=True)
 toy_app = typer.Typer(help="The toy reasoning world and its trained model pair.", no_args_is_help=True)
 
@@ -140,9 +144,9 @@ def eval_cmd(
     n: int = typer.Option(100, "--n", min=1, help="problems"),
     samples: int = typer.Option(1, "--samples", min=1, help="samples per problem (pass@1 is their mean)"),
     seed: int = typer.Option(0, "--seed"),
-    temperature: float = typer.Option(0.6, "--temperature", min=0.0),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(20, "--top-k"),
+    temperature: float = typer.Option(PAPER.temperature, "--temperature", min=0.0),
+    top_p: float = typer.Option(PAPER.top_p, "--top-p"),
+    top_k: int = typer.Option(PAPER.top_k, "--top-k"),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1),
     concurrency: int = typer.Option(16, "--concurrency", min=1),
     url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
@@ -157,8 +161,11 @@ def eval_cmd(
     from relay_serve.eval.datasets import DatasetError
     from relay_serve.eval.runner import EvalSettings, run_agreement, run_eval, table
 
-    s = EvalSettings(dataset=dataset, mode=mode.value, n=n, samples=samples, seed=seed, temperature=temperature,
-                     top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
+    try:
+        s = EvalSettings(dataset=dataset, mode=mode.value, n=n, samples=samples, seed=seed, temperature=temperature,
+                         top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
+    except ValidationError as e:
+        raise typer.BadParameter(str(e)) from e
     kind = "agreement" if answer_agreement else mode.value
     out = records or envs.state_dir() / "eval" / f"{dataset.replace(':', '_').replace('/', '_')}-{kind}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     try:

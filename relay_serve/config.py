@@ -111,6 +111,15 @@ class SamplingDefaults(Strict):
     top_k: int = Field(-1, ge=-1)
 
 
+class PaperSampling(BaseModel):
+    """The RelayGen paper's sampling (temperature 0.6, top_p 0.95, top_k 20): what eval and bench
+    default to."""
+
+    temperature: float = Field(0.6, ge=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int = Field(20, ge=-1)
+
+
 class CueSettings(Strict):
     store_uri: str = Field(default_factory=lambda: envs.cue_store_uri(), description="where calibrated cue sets live")
     poll_interval_s: float = Field(5.0, gt=0.0)

@@ -4,19 +4,14 @@ per session (engine start-up dominates their cost)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from relay_serve.serve.local import free_port
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

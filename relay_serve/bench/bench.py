@@ -15,18 +15,17 @@ from typing import Any
 
 import httpx
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
+
+from relay_serve.config import PaperSampling
 
 MODES = ("large", "relay", "small", "speculative-thinking")
 
 
-class BenchSettings(BaseModel):
+class BenchSettings(PaperSampling):
     concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32])
     requests_per_level: int = Field(32, description="requests per mode and concurrency (at least the concurrency)")
     seed: int = 0
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
     max_tokens: int = 256
     replay_requests: int = 16
     replay_concurrency: list[int] = Field(default_factory=lambda: [1, 8])
@@ -283,12 +282,11 @@ def run_bench(s: BenchSettings, out: Path, replay: bool = True, progress: bool =
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.eval.runner import _free_port
-    from relay_serve.serve.local import start
+    from relay_serve.serve.local import free_port, start
 
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "settings": s.model_dump()}
-    port = _free_port()
+    port = free_port()
     base = start(AppConfig(), port=port)
     report["trained"] = run_trained(base, s, progress)
     serve.delete("relay")

@@ -15,19 +15,17 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel
 
+from relay_serve.config import PaperSampling
 from relay_serve.eval.datasets import Problem, load_problems
 from relay_serve.eval.grading import THINK_CLOSE, answer_part, extracted, is_correct, same_answer
 
 
-class EvalSettings(BaseModel):
+class EvalSettings(PaperSampling):
     dataset: str = "toy"
     mode: str = "relay"
     n: int | None = 100
     samples: int = 1
     seed: int = 0
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
     max_tokens: int = 512
     concurrency: int = 16
 
@@ -55,22 +53,14 @@ def service(url: str | None) -> Iterator[str]:
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import start
+    from relay_serve.serve.local import free_port, start
 
-    base = start(AppConfig(), port=_free_port())
+    base = start(AppConfig(), port=free_port())
     try:
         yield base
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _chat(client: httpx.AsyncClient, base: str, body: dict) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from typing import Any
 
@@ -33,6 +34,13 @@ def serve_config(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -> dic
 
 def serve_config_yaml(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -> str:
     return yaml.safe_dump(serve_config(cfg, host, port), sort_keys=False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (for apps started by eval, bench and the tests)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
