@@ -142,6 +142,41 @@ class RouterSettings(Strict):
     max_stop_length: int = Field(64, ge=1)
     request_timeout_s: float = Field(600.0, gt=0.0, description="a generation that takes longer fails with 504")
     model_name_prefix: str = Field("", description="prefix of the model ids in /v1/models (e.g. 'qwen3-')")
+    segment_retries: int = Field(
+        2, ge=0, le=10, description="an engine request whose replica failed is sent again this many times, from the context so far"
+    )
+    retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="wait before retry n: n times this")
+    max_small_in_flight: int | None = Field(
+        None, ge=1, description="relay: past this many small-model segments in flight (per router replica) the large model keeps its handoffs"
+    )
+    small_timeout_s: float = Field(
+        30.0, gt=0.0, description="relay: a small-model segment without a first reply by then goes to the large model"
+    )
+    small_retry_after_s: float = Field(
+        10.0, ge=0.0, description="after such a timeout, the large model writes small-model segments for this long"
+    )
+    api_key_file: str | None = Field(None, description="a file of accepted API keys, one a line (Authorization: Bearer)")
+    api_key_env: str | None = Field(None, description="an environment variable holding an accepted API key")
+
+    def api_keys(self) -> list[str]:
+        """The accepted API keys (empty: the API is open). Read at start-up; a named source that
+        is missing or empty is an error, never an open API."""
+        keys: list[str] = []
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"router.api_key_file: cannot read {self.api_key_file}: {e.strerror}") from e
+            found = [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+            if not found:
+                raise ValueError(f"router.api_key_file: {self.api_key_file} holds no key")
+            keys += found
+        if self.api_key_env is not None:
+            value = (envs.get(self.api_key_env) or "").strip()
+            if not value:
+                raise ValueError(f"router.api_key_env: the environment variable {self.api_key_env} is not set")
+            keys.append(value)
+        return keys
 
 
 def default_env_vars() -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 RELAY_STATE_DIR     local state (cue store, run records); default: ./.relay-state
 RELAY_CUE_STORE     cue store URI; default: file://<RELAY_STATE_DIR>/cues
-RELAY_API_KEY       API key the router accepts (optional)
+RELAY_API_KEY       API key that eval, bench and soak send to a --url server (the router's own keys
+                    come from the files or variables its config names)
 RELAY_RAY_ADDRESS   Ray cluster address for `relay-serve serve`; default: start a local Ray
 RELAY_NUM_CPUS      logical CPUs of a local Ray; default: 8
 """

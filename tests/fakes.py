@@ -65,7 +65,12 @@ class FakeBackend(Backend):
         self.delay_s = delay_s
         self.requests: list[SegmentRequest] = []
         self.unavailable: set[str] = set()
+        self.faults: list[tuple[str, int]] = []  # (model, n): that model's next request dies after n tokens
+        self.refusal: str | None = None  # what small_refusal() says
         self.cancelled = 0
+
+    def small_refusal(self) -> str | None:
+        return self.refusal
 
     async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
@@ -74,9 +79,14 @@ class FakeBackend(Backend):
         n_prompt = self.prompts.setdefault(request.session_id, len(request.prompt_token_ids))
         written_ids = request.prompt_token_ids[n_prompt:]
         pieces = self.codec.encode(self.scripts[request.model](self.codec.decode(written_ids)))
+        fault = next((f for f in self.faults if f[0] == request.model), None)
+        if fault is not None:
+            self.faults.remove(fault)
         text = ""
         try:
             for n, tid in enumerate(pieces, start=1):
+                if fault is not None and n > fault[1]:
+                    raise RuntimeError(f"{request.model} replica died")
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 text = self.codec.decode(pieces[:n])

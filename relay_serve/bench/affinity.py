@@ -14,6 +14,7 @@ import json
 import time
 
 from relay_serve.config import AppConfig
+from relay_serve.serve.local import http_client
 
 
 def affinity_figures(responses: list[dict]) -> dict:
@@ -37,9 +38,7 @@ def affinity_figures(responses: list[dict]) -> dict:
 
 
 async def _fire(url: str, prompts: list[str]) -> list[dict]:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with http_client(300) as client:
 
         async def one(p: str) -> dict:
             r = await client.post(

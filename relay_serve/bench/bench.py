@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 from pydantic import Field
 
 from relay_serve.config import PaperSampling
+from relay_serve.serve.local import http_client
 
 MODES = ("large", "relay", "small", "speculative-thinking")
 
@@ -38,7 +38,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def _fire(base: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with http_client(600) as client:
 
         async def one(body: dict) -> dict:
             async with sem:

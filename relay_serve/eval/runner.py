@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from relay_serve.config import PaperSampling
 from relay_serve.eval.datasets import Problem, load_problems
 from relay_serve.eval.grading import THINK_CLOSE, answer_part, extracted, is_correct, same_answer
+from relay_serve.serve.local import http_client
 
 
 class EvalSettings(PaperSampling):
@@ -118,7 +119,7 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
             "text": text,
         })
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with http_client(600) as client:
         try:
             return await asyncio.gather(*(one(client, p, k) for p, k in jobs))
         finally:
@@ -218,7 +219,7 @@ async def _agreement(base: str, problems: list[Problem], s: EvalSettings, sink, 
             "small_correct": is_correct(answers["small"], p.answer),
         })
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with http_client(600) as client:
         try:
             return await asyncio.gather(*(one(client, p) for p in problems))
         finally:

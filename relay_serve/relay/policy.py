@@ -61,7 +61,6 @@ class RelayGen:
         self.cues = list(cues)
         self.cue_stops = cue_stop_strings(self.cues)
         self.small_stops = list(SENTENCE_STOPS) + [settings.think_close]
-        self.small_ok = True
 
     async def run(self, s: Session) -> None:
         state = "answer" if self._closed(s) else "think"
@@ -76,14 +75,11 @@ class RelayGen:
             if s.left <= 0:
                 s.finish("length")
                 return
-            s.force_text(self.settings.think_close, self._answerer, cue=self.settings.think_close)
+            answerer = "large" if s.backend.small_refusal() is not None else "small"
+            s.force_text(self.settings.think_close, answerer, cue=self.settings.think_close)
             await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
             return
         await self.answer(s, cue=self.settings.think_close)
-
-    @property
-    def _answerer(self) -> ModelRole:
-        return "small" if self.small_ok else "large"
 
     def _closed(self, s: Session) -> bool:
         return self.settings.think_close in s.output.text
@@ -96,7 +92,7 @@ class RelayGen:
 
         Returns that cue; None when the reasoning closed, its budget ran out or the output ended.
         """
-        stops = (self.cue_stops if self.small_ok else []) + [self.settings.think_close]
+        stops = self.cue_stops + [self.settings.think_close]
         written = 0
         while (budget := self._reasoning_budget(s)) > 0:
             out = await s.segment("large", stops, budget)
@@ -110,7 +106,9 @@ class RelayGen:
                 return None  # the reasoning budget is spent
             cue = self._cue_at_end(s, out)
             if cue is not None and written >= self.settings.min_large_tokens:
-                return cue
+                if not self._small_refused(s):
+                    return cue
+                written = 0  # the large model writes this sentence too; the next cue may hand off
             # a raw substring that is no cue ("know," for "now,"), or a cue too soon: go on
         return None
 
@@ -124,7 +122,8 @@ class RelayGen:
         return None if last is None or last.end <= out.text_start else last.cue
 
     async def small_sentence(self, s: Session, cue: str) -> str:
-        """The small model finishes the sentence the cue opened.
+        """The small model finishes the sentence the cue opened; if it fails, the large model
+        does (the text the small one streamed stays).
 
         Returns "answer" when it closed the reasoning, "ended" when the output ended, else "think".
         """
@@ -132,7 +131,8 @@ class RelayGen:
         if budget <= 0:
             return "think"
         try:
-            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True)
+            # No retry: the large model finishing the sentence is quicker than waiting for a replica.
+            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True, retries=0)
         except SmallModelUnavailable as e:
             self._degrade(s, str(e))
             return "think"
@@ -145,20 +145,34 @@ class RelayGen:
             return "ended"
         return "think"
 
-    def _degrade(self, s: Session, reason: str) -> None:
-        self.small_ok = False
+    def _small_refused(self, s: Session) -> bool:
+        """Whether the backend refuses a small-model segment now (counted as a kept handoff)."""
+        reason = s.backend.small_refusal()
+        if reason is not None:
+            self._degrade(s, reason)
+        return reason is not None
+
+    @staticmethod
+    def _degrade(s: Session, reason: str) -> None:
+        s.usage.kept_on_large += 1
         s.usage.degraded = True
-        s.usage.degraded_reason = reason
+        s.usage.degraded_reason = s.usage.degraded_reason or reason
 
     async def answer(self, s: Session, cue: str | None) -> None:
         if s.left <= 0:
             s.finish("length")
             return
-        try:
-            out = await s.segment(self._answerer, [], s.left, cue=cue)
-        except SmallModelUnavailable as e:
-            self._degrade(s, str(e))
-            out = await s.segment("large", [], s.left, cue=cue)
+        if not self._small_refused(s):
+            try:
+                out = await s.segment("small", [], s.left, cue=cue)
+                s.finish(out.finish_reason)
+                return
+            except SmallModelUnavailable as e:
+                self._degrade(s, str(e))
+            if s.done or s.left <= 0:
+                s.finish("length")
+                return
+        out = await s.segment("large", [], s.left, cue=cue)
         s.finish(out.finish_reason)
 
 

@@ -74,6 +74,8 @@ class Session:
     session_id: str
     user_stops: list[str] = field(default_factory=list)
     cue_set_version: str | None = None
+    retries: int = 2
+    retry_backoff_s: float = 0.2
     output: Output = field(init=False)
     usage: RelayUsage = field(init=False)
     finish_reason: FinishReason | None = None
@@ -111,20 +113,68 @@ class Session:
         commit: bool = True,
         sentence: bool = False,
         ignore_eos: bool = False,
+        retries: int | None = None,
     ) -> SegmentOutcome:
-        """Run one engine request over the current context.
+        """Run one segment over the current context.
 
         With ``commit`` the tokens join the output as they arrive (and stream to the client, one
         token behind); without it (a draft) they are only returned. With ``sentence`` a token that
         begins the next sentence is taken back (:meth:`end_at_sentence`). User stop strings are
         always added.
+
+        An engine request that fails (its replica died, its stream ended unfinished) is sent again
+        over the context as it now stands, with the tokens it still owes: the text already written
+        stays and nothing is written twice. After ``retries`` (default: the session's) further
+        failures the segment raises :class:`SmallModelUnavailable` for the small model (policies
+        can hand its work to the large one) or :class:`EngineError`.
         """
         max_tokens = min(max_tokens, self.left)
         if max_tokens <= 0:
             return SegmentOutcome(model, [], "", "length", None, len(self.output.text))
+        if commit:
+            self.output.start_run(model, cue=cue)
+        start_text, start_tokens = len(self.output.text), len(self.output.ids)
+        tokens: list[int] = []
+        allowed = self.retries if retries is None else retries
+        failures = 0
+        while True:
+            try:
+                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, ignore_eos)
+                break
+            except SmallModelUnavailable:
+                raise  # the backend knows the deployment cannot answer now: no point asking again
+            except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
+                failures += 1
+                log.warning("session %s: %s engine request failed (%d of %d allowed): %s", self.session_id, model, failures, allowed + 1, e)
+                if failures > allowed:
+                    failed = f"the {model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
+                    raise (SmallModelUnavailable if model == "small" else EngineError)(failed) from e
+                self.usage.retries += 1
+                await asyncio.sleep(self.retry_backoff_s * failures)
+            if self.output.stopped or len(tokens) >= max_tokens:
+                last = EngineChunk(finished=True, finish_reason="stop" if self.output.stopped else "length")
+                break
+        outcome_reason: FinishReason = last.finish_reason or "stop"
+        if commit and sentence and outcome_reason == "stop" and isinstance(last.stop_reason, str):
+            self.end_at_sentence(start_text)
+        if commit:
+            self._emit(model)
+            text = self.output.text[start_text:]
+            tokens = self.output.ids[start_tokens:]
+        else:
+            text = self.codec.decode(self.output.ids[-8:] + tokens)[len(self.codec.decode(self.output.ids[-8:])) :]
+        reason: FinishReason = last.finish_reason or ("stop" if self.output.stopped else "abort")
+        return SegmentOutcome(model, tokens, text, reason, last.stop_reason, start_text)
+
+    async def _engine_request(
+        self, model: ModelRole, stop: list[str], max_tokens: int, tokens: list[int], commit: bool, ignore_eos: bool
+    ) -> EngineChunk:
+        """One engine request continuing the context (and ``tokens``, a draft's so far); appends
+        what arrives to ``tokens`` (and the output, with ``commit``). Returns the last chunk."""
+        context = self.prompt_ids + self.output.ids + ([] if commit else tokens)
         request = SegmentRequest(
             model=model,
-            prompt_token_ids=self.prompt_ids + self.output.ids,
+            prompt_token_ids=context,
             max_tokens=max_tokens,
             stop=list(dict.fromkeys(stop + self.user_stops)),
             sampling=self.sampling.for_segment(self.usage.engine_requests),
@@ -132,16 +182,14 @@ class Session:
             session_id=self.session_id,
         )
         self.usage.engine_requests += 1
-        if commit:
-            self.output.start_run(model, cue=cue)
-        start_text, start_tokens = len(self.output.text), len(self.output.ids)
-        tokens: list[int] = []
+        got: list[int] = []
         last = EngineChunk()
         t0 = time.perf_counter()
         stream = self.backend.generate(request, stream=self._events is not None and commit)
         try:
             async for chunk in stream:
                 last = chunk
+                got += chunk.token_ids
                 tokens += chunk.token_ids
                 if commit and chunk.token_ids:
                     self.output.append(chunk.token_ids, model)
@@ -157,25 +205,15 @@ class Session:
             EngineRequestRecord(
                 model=model,
                 replica_id=last.replica_id,
-                prompt_tokens=len(request.prompt_token_ids),
+                prompt_tokens=len(context),
                 cached_tokens=last.cached_tokens,
-                output_tokens=len(tokens),
+                output_tokens=len(got),
                 committed=commit,
                 engine_s=last.engine_s,
                 wall_s=time.perf_counter() - t0,
             )
         )
-        outcome_reason: FinishReason = last.finish_reason or "stop"
-        if commit and sentence and outcome_reason == "stop" and isinstance(last.stop_reason, str):
-            self.end_at_sentence(start_text)
-        if commit:
-            self._emit(model)
-            text = self.output.text[start_text:]
-            tokens = self.output.ids[start_tokens:]
-        else:
-            text = self.codec.decode(self.output.ids[-8:] + tokens)[len(self.codec.decode(self.output.ids[-8:])) :]
-        reason: FinishReason = last.finish_reason or ("stop" if self.output.stopped else "abort")
-        return SegmentOutcome(model, tokens, text, reason, last.stop_reason, start_text)
+        return last
 
     def commit(self, outcome: SegmentOutcome, cue: str | None = None) -> None:
         """Add a draft's tokens to the output."""

@@ -65,6 +65,11 @@ class Backend(ABC):
         """The output of one request; closing the iterator early must abort the request. Without
         ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching)."""
 
+    def small_refusal(self) -> str | None:
+        """Why a small-model segment should not be sent now (its deployment is past its queue
+        bound, or did not answer lately), or None when it may."""
+        return None
+
 
 class TextCodec(Protocol):
     """The tokenizer both models share (the relay hands token ids over)."""
@@ -108,7 +113,11 @@ class RelayUsage(BaseModel):
     discarded_tokens: int = Field(default=0, description="generated but not in the output (rejected drafts)")
     cue_set_version: str | None = None
     degraded: bool = Field(default=False, description="small-model segments were written by the large model")
-    degraded_reason: str | None = None
+    degraded_reason: str | None = Field(default=None, description="why (the first reason, if several)")
+    kept_on_large: int = Field(
+        default=0, description="handoffs the large model kept: small deployment overloaded, unavailable or failed"
+    )
+    retries: int = Field(default=0, description="engine requests sent again after a failure (a replica died)")
     wall_s: float = Field(0.0, description="seconds the router spent on the generation")
     engine_s: float = Field(0.0, description="of which inside engines (as the replicas measured it)")
 

@@ -1,8 +1,17 @@
-"""The relay core's Backend over the two model deployments' Ray Serve handles."""
+"""The relay core's Backend over the two model deployments' Ray Serve handles.
+
+Besides passing segments through, it guards the small deployment for the relay policy: the number
+of small-model segments this router replica has in flight (``max_small_in_flight``: past it, the
+large model keeps its handoffs), and a deadline for the small model's first reply
+(``small_timeout_s``: a deployment scaled to zero or unreachable is then left alone for
+``small_retry_after_s`` seconds instead of being waited for by every request).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
@@ -12,9 +21,31 @@ log = logging.getLogger(__name__)
 
 
 class ServeBackend(Backend):
-    def __init__(self, large, small, affinity: bool = True) -> None:
+    def __init__(
+        self,
+        large,
+        small,
+        affinity: bool = True,
+        max_small_in_flight: int | None = None,
+        small_timeout_s: float | None = None,
+        small_retry_after_s: float = 10.0,
+    ) -> None:
         self.handles = {"large": large, "small": small}
         self.affinity = affinity
+        self.max_small_in_flight = max_small_in_flight
+        self.small_timeout_s = small_timeout_s
+        self.small_retry_after_s = small_retry_after_s
+        self.in_flight = {"large": 0, "small": 0}
+        self._small_down_until = 0.0
+        self._small_down_reason = ""
+
+    def small_refusal(self) -> str | None:
+        n, bound = self.in_flight["small"], self.max_small_in_flight
+        if bound is not None and n >= bound:
+            return f"the small deployment is past its queue bound ({n} segments in flight from this router, bound {bound})"
+        if time.monotonic() < self._small_down_until:
+            return self._small_down_reason
+        return None
 
     def _handle(self, request: SegmentRequest, stream: bool):
         opts = {"method_name": "generate" if stream else "complete", "stream": stream}
@@ -23,23 +54,43 @@ class ServeBackend(Backend):
         return self.handles[request.model].options(**opts)
 
     async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        model = request.model
+        deadline = self.small_timeout_s if model == "small" else None  # for the first reply only
         response = self._handle(request, stream).remote(request.model_dump())
-        started = finished = False
+        self.in_flight[model] += 1
+        finished = False
         try:
             if stream:
-                async for data in response:
+                chunks = response.__aiter__()
+                while True:
+                    try:
+                        async with asyncio.timeout(deadline):
+                            data = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    deadline = None
                     chunk = EngineChunk.model_validate(data)
-                    started = True
                     finished = chunk.finished
                     yield chunk
             else:
-                chunk = EngineChunk.model_validate(await response)
-                started = finished = True
+                async with asyncio.timeout(deadline):
+                    data = await response
+                chunk = EngineChunk.model_validate(data)
+                finished = True
                 yield chunk
-        except Exception as e:  # noqa: BLE001 - typed below by who can recover from it
-            if request.model == "small" and not started:
-                raise SmallModelUnavailable(f"small deployment: {type(e).__name__}: {e}") from e
-            raise EngineError(f"{request.model} deployment: {type(e).__name__}: {e}") from e
+        except TimeoutError as e:
+            if model != "small":
+                raise EngineError(f"{model} deployment: no reply in time") from e
+            self._small_down_until = time.monotonic() + self.small_retry_after_s
+            self._small_down_reason = (
+                f"the small deployment did not answer within {self.small_timeout_s} s (scaled to zero or "
+                f"unreachable); the large model writes its segments for {self.small_retry_after_s} s"
+            )
+            log.warning("%s", self._small_down_reason)
+            raise SmallModelUnavailable(self._small_down_reason) from e
+        except Exception as e:  # noqa: BLE001 - the session decides whether to retry
+            raise EngineError(f"{model} deployment: {type(e).__name__}: {e}") from e
         finally:
+            self.in_flight[model] -= 1
             if not finished:
                 response.cancel()

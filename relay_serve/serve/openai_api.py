@@ -19,9 +19,16 @@ from relay_serve.relay.types import RelayUsage, TraceSegment
 class ClientError(Exception):
     """The request is at fault: HTTP 4xx with the parameter named."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, "invalid_request_error", self.param, self.code)

@@ -7,12 +7,13 @@ FastAPI app directly with a fake backend.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from relay_serve.config import AppConfig
 from relay_serve.cues import CueProvider
 from relay_serve.relay.policy import POLICY_NAMES, Replay, make_policy
-from relay_serve.relay.session import EngineError, Session
+from relay_serve.relay.session import EngineError, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings, TextDelta
 from relay_serve.serve.openai_api import (
     ChatChoice,
@@ -72,8 +73,17 @@ class RelayRouter:
         if backend is None:
             from relay_serve.serve.backend import ServeBackend
 
-            backend = ServeBackend(large, small, affinity=self.cfg.router.session_affinity)
+            r = self.cfg.router
+            backend = ServeBackend(
+                large,
+                small,
+                affinity=r.session_affinity,
+                max_small_in_flight=r.max_small_in_flight,
+                small_timeout_s=r.small_timeout_s,
+                small_retry_after_s=r.small_retry_after_s,
+            )
         self.backend = backend
+        self.api_keys = [k.encode() for k in self.cfg.router.api_keys()]
         self.cues = CueProvider(self.cfg, pair_fingerprint=self.pair_fingerprint())
         self.max_model_len = self.cfg.max_model_len or 4096
         self.in_flight = 0
@@ -95,13 +105,38 @@ class RelayRouter:
         api.add_exception_handler(ServerError, _server_error)
         api.add_exception_handler(StarletteHTTPException, _http_error)
         api.add_exception_handler(Exception, _unexpected_error)
-        api.add_api_route("/health", self.health, methods=["GET"])
-        api.add_api_route("/v1/models", self.models, methods=["GET"])
-        api.add_api_route("/v1/relay/cues", self.active_cues, methods=["GET"])
-        api.add_api_route("/v1/relay/stats", self.stats, methods=["GET"])
-        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        api.add_api_route("/health", self.health, methods=["GET"])  # open: probes carry no key
+        auth = [Depends(self._authorize)]
+        api.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        api.add_api_route("/v1/relay/cues", self.active_cues, methods=["GET"], dependencies=auth)
+        api.add_api_route("/v1/relay/stats", self.stats, methods=["GET"], dependencies=auth)
+        for path, endpoint, model in (
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+            ("/v1/completions", self.completions, CompletionRequest),
+        ):
+            # The body is read and checked by hand (size limit first); the schema is documented.
+            extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+            api.add_api_route(path, endpoint, methods=["POST"], dependencies=auth, openapi_extra=extra)
+        api.openapi = lambda: _openapi_with_request_schemas(api)
         return api
+
+    async def _authorize(self, request: Request) -> None:
+        """With API keys configured, every route but /health needs ``Authorization: Bearer <key>``;
+        keys are compared in constant time, each of them, whatever matched."""
+        if not self.api_keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        token = given.strip().encode() if scheme.lower() == "bearer" else b""
+        matched = False
+        for key in self.api_keys:
+            matched |= hmac.compare_digest(token, key)
+        if not matched:
+            raise ClientError(
+                "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     async def health(self) -> JSONResponse:
         await self.cues.maybe_refresh()
@@ -249,6 +284,8 @@ class RelayRouter:
             session_id=new_id("gen"),
             user_stops=req.stop_list(),
             cue_set_version=cue_set.version,
+            retries=self.cfg.router.segment_retries,
+            retry_backoff_s=self.cfg.router.retry_backoff_s,
         )
 
     async def _serve(self, req, prompt_ids: list[int], chat: bool):
@@ -265,6 +302,8 @@ class RelayRouter:
             result = await asyncio.wait_for(session.run(policy), timeout=self.cfg.router.request_timeout_s)
         except asyncio.TimeoutError as e:
             raise ServerError(f"the generation took longer than {self.cfg.router.request_timeout_s} s", status=504) from e
+        except SmallModelUnavailable as e:
+            raise ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable") from e
         except EngineError as e:
             raise ServerError(f"an engine failed: {e}", status=502, code="engine_error") from e
         except Exception as e:
@@ -331,6 +370,11 @@ class RelayRouter:
                             yield _sse(tail)
         except TimeoutError:
             yield _sse(error_body(f"the generation took longer than {self.cfg.router.request_timeout_s} s", "server_error", code="timeout"))
+        except SmallModelUnavailable as e:
+            yield _sse(error_body(f"the small model is unavailable: {e}", "server_error", code="model_unavailable"))
+        except EngineError as e:
+            log.warning("streamed generation %s failed: %s", session.session_id, e)
+            yield _sse(error_body(f"an engine failed: {e}", "server_error", code="engine_error"))
         except Exception as e:  # noqa: BLE001 - reported to the client in the stream, then logged
             log.exception("streamed generation %s failed", session.session_id)
             yield _sse(error_body(f"the generation failed: {type(e).__name__}: {e}", "server_error", code="engine_error"))
@@ -346,7 +390,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
@@ -360,6 +404,22 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unexpected error on %s", request.url.path, exc_info=exc)
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+
+def _openapi_with_request_schemas(api: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document plus the request bodies' JSON schemas (the routes read their
+    bodies themselves, so FastAPI does not know them)."""
+    if api.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        api.openapi_schema = doc
+    return api.openapi_schema
 
 
 def _version() -> str:

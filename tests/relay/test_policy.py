@@ -304,3 +304,69 @@ def test_replay_reproduces_a_schedule_ignoring_eos():
     assert [(seg.model, seg.tokens) for seg in r.trace] == [("large", 7), ("small", 3), ("large", 2)]
     assert all(req.ignore_eos for req in backend.requests)
     check_invariants(r)
+
+
+# ---- faults: a replica dies mid-segment, the small deployment refuses --------------------------
+
+
+def test_a_large_segment_whose_replica_died_continues_from_the_context_without_loss():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.faults = [("large", 3), ("large", 2)]  # two deaths in a row, both mid-segment
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF and r.usage.retries == 2 and not r.usage.degraded
+    check_invariants(r)
+    # each retry continued the context as it stood: nothing written twice
+    first, second, third = backend.requests[:3]
+    assert len(second.prompt_token_ids) == len(first.prompt_token_ids) + 3
+    assert len(third.prompt_token_ids) == len(second.prompt_token_ids) + 2
+    assert second.max_tokens == first.max_tokens - 3
+
+
+def test_a_large_model_that_keeps_failing_ends_in_an_engine_error_after_its_retries():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    s.retries = 2
+    backend.faults = [("large", 1)] * 3
+    with pytest.raises(EngineError, match="failed 3 times"):
+        run(s, RelayGen(PolicySettings(), CUES))
+    assert len(backend.requests) == 3
+
+
+def test_streamed_text_has_no_gap_or_repeat_across_a_retry():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.faults = [("large", 4), ("small", 2)]
+
+    async def collect():
+        parts, result = [], None
+        async for ev in s.stream(RelayGen(PolicySettings(), CUES)):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            else:
+                result = ev
+        return "".join(parts), result
+
+    text, result = asyncio.run(collect())
+    assert text == result.text == REF
+
+
+def test_a_small_sentence_whose_replica_died_is_finished_by_the_large_model():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.faults = [("small", 2)]  # "Thus," then " we" " are", then the replica dies
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF and r.usage.degraded and r.usage.kept_on_large == 1
+    assert "died" in r.usage.degraded_reason and r.usage.retries == 0
+    check_invariants(r)
+    owners = models_of(r)
+    # the small model's two tokens stay; the large model writes the rest of that sentence
+    assert ("small", " we are") in owners and owners[owners.index(("small", " we are")) + 1][0] == "large"
+    assert r.usage.small_tokens > 2  # later handoffs and the answer still go to the small model
+
+
+def test_a_refused_small_deployment_leaves_every_handoff_to_the_large_model():
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    backend.refusal = "the small deployment is past its queue bound"
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF and r.usage.small_tokens == 0
+    assert r.usage.kept_on_large == 3  # two cues and the answer
+    assert r.usage.degraded_reason == "the small deployment is past its queue bound"
+    assert not any(req.model == "small" for req in backend.requests)
+    check_invariants(r)

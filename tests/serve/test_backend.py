@@ -96,16 +96,70 @@ def test_closing_early_cancels_the_ray_response():
     assert h.response.cancelled
 
 
-def test_failures_are_typed():
+def test_a_failed_call_is_an_engine_error_for_the_session_to_retry():
     async def drain(b, model):
         return [c async for c in b.generate(req(model))]
 
-    small = FakeHandle(FakeResponse(CHUNKS, fail_after=0))
-    with pytest.raises(SmallModelUnavailable):
-        asyncio.run(drain(ServeBackend(None, small), "small"))
-    small_late = FakeHandle(FakeResponse(CHUNKS, fail_after=1))
-    with pytest.raises(EngineError):  # text already streamed: not silently redone elsewhere
-        asyncio.run(drain(ServeBackend(None, small_late), "small"))
-    large = FakeHandle(FakeResponse(CHUNKS, fail_after=0))
-    with pytest.raises(EngineError, match="actor died"):
-        asyncio.run(drain(ServeBackend(large, None), "large"))
+    for model, after in (("small", 0), ("small", 1), ("large", 0)):
+        h = FakeHandle(FakeResponse(CHUNKS, fail_after=after))
+        b = ServeBackend(h, h)
+        with pytest.raises(EngineError, match="actor died"):
+            asyncio.run(drain(b, model))
+        assert b.in_flight == {"large": 0, "small": 0} and b.small_refusal() is None
+
+
+class Silent:
+    """A response that never answers (a deployment scaled to zero: the call waits for a replica)."""
+
+    cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(3600)
+
+    def __await__(self):
+        return asyncio.sleep(3600).__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_silent_small_deployment_times_out_and_is_left_alone_for_a_while(stream):
+    h = FakeHandle(Silent())
+    b = ServeBackend(None, h, small_timeout_s=0.05, small_retry_after_s=60)
+
+    async def drain():
+        return [c async for c in b.generate(req("small"), stream=stream)]
+
+    with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
+        asyncio.run(drain())
+    assert h.response.cancelled and b.in_flight["small"] == 0
+    assert "did not answer" in b.small_refusal()
+    b._small_down_until = 0.0  # the retry-after window has passed
+    assert b.small_refusal() is None
+
+
+def test_past_the_queue_bound_small_segments_are_refused():
+    class Slow(FakeResponse):
+        async def _gen(self):
+            await asyncio.sleep(0.05)
+            for c in self.chunks:
+                yield c.model_dump()
+
+    b = ServeBackend(None, FakeHandle(Slow(CHUNKS)), max_small_in_flight=2)
+
+    async def go():
+        async def drain():
+            return [c async for c in b.generate(req("small"))]
+
+        tasks = [asyncio.create_task(drain()) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        during = b.small_refusal()
+        await asyncio.gather(*tasks)
+        return during, b.small_refusal()
+
+    during, after = asyncio.run(go())
+    assert "past its queue bound (2 segments in flight" in during and after is None
