@@ -150,7 +150,10 @@ class RouterSettings(Strict):
         None, ge=1, description="relay: past this many small-model segments in flight (per router replica) the large model keeps its handoffs"
     )
     small_timeout_s: float = Field(
-        30.0, gt=0.0, description="relay: a small-model segment without a first reply by then goes to the large model"
+        30.0,
+        gt=0.0,
+        description="relay: a small-model segment with no reply by then (its first token when streamed, all of it "
+        "otherwise) goes to the large model",
     )
     small_retry_after_s: float = Field(
         10.0, ge=0.0, description="after such a timeout, the large model writes small-model segments for this long"

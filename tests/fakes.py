@@ -72,7 +72,7 @@ class FakeBackend(Backend):
     def small_refusal(self) -> str | None:
         return self.refusal
 
-    async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
         if request.model in self.unavailable:
             raise SmallModelUnavailable(f"{request.model} deployment has no replica")

@@ -132,7 +132,7 @@ class RelayGen:
             return "think"
         try:
             # No retry: the large model finishing the sentence is quicker than waiting for a replica.
-            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True, retries=0)
+            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True, retries=0, guarded=True)
         except SmallModelUnavailable as e:
             self._degrade(s, str(e))
             return "think"
@@ -164,7 +164,7 @@ class RelayGen:
             return
         if not self._small_refused(s):
             try:
-                out = await s.segment("small", [], s.left, cue=cue)
+                out = await s.segment("small", [], s.left, cue=cue, guarded=True)
                 s.finish(out.finish_reason)
                 return
             except SmallModelUnavailable as e:

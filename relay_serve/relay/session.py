@@ -76,6 +76,7 @@ class Session:
     cue_set_version: str | None = None
     retries: int = 2
     retry_backoff_s: float = 0.2
+    small_timeout_s: float | None = None  # the deadline of guarded small-model segments
     output: Output = field(init=False)
     usage: RelayUsage = field(init=False)
     finish_reason: FinishReason | None = None
@@ -114,13 +115,15 @@ class Session:
         sentence: bool = False,
         ignore_eos: bool = False,
         retries: int | None = None,
+        guarded: bool = False,
     ) -> SegmentOutcome:
         """Run one segment over the current context.
 
         With ``commit`` the tokens join the output as they arrive (and stream to the client, one
         token behind); without it (a draft) they are only returned. With ``sentence`` a token that
         begins the next sentence is taken back (:meth:`end_at_sentence`). User stop strings are
-        always added.
+        always added. A ``guarded`` segment (the relay's small-model work) that gets no first
+        reply within the session's ``small_timeout_s`` raises :class:`SmallModelUnavailable`.
 
         An engine request that fails (its replica died, its stream ended unfinished) is sent again
         over the context as it now stands, with the tokens it still owes: the text already written
@@ -139,7 +142,8 @@ class Session:
         failures = 0
         while True:
             try:
-                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, ignore_eos)
+                timeout_s = self.small_timeout_s if guarded else None
+                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, ignore_eos, timeout_s)
                 break
             except SmallModelUnavailable:
                 raise  # the backend knows the deployment cannot answer now: no point asking again
@@ -167,7 +171,14 @@ class Session:
         return SegmentOutcome(model, tokens, text, reason, last.stop_reason, start_text)
 
     async def _engine_request(
-        self, model: ModelRole, stop: list[str], max_tokens: int, tokens: list[int], commit: bool, ignore_eos: bool
+        self,
+        model: ModelRole,
+        stop: list[str],
+        max_tokens: int,
+        tokens: list[int],
+        commit: bool,
+        ignore_eos: bool,
+        timeout_s: float | None,
     ) -> EngineChunk:
         """One engine request continuing the context (and ``tokens``, a draft's so far); appends
         what arrives to ``tokens`` (and the output, with ``commit``). Returns the last chunk."""
@@ -185,7 +196,7 @@ class Session:
         got: list[int] = []
         last = EngineChunk()
         t0 = time.perf_counter()
-        stream = self.backend.generate(request, stream=self._events is not None and commit)
+        stream = self.backend.generate(request, stream=self._events is not None and commit, timeout_s=timeout_s)
         try:
             async for chunk in stream:
                 last = chunk

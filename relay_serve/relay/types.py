@@ -61,9 +61,13 @@ class Backend(ABC):
     """Runs segment requests on the large or the small model."""
 
     @abstractmethod
-    def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+    def generate(
+        self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
+    ) -> AsyncIterator[EngineChunk]:
         """The output of one request; closing the iterator early must abort the request. Without
-        ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching)."""
+        ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching).
+        With ``timeout_s`` (small-model segments of the relay) a request without a first chunk by
+        then raises ``SmallModelUnavailable``."""
 
     def small_refusal(self) -> str | None:
         """Why a small-model segment should not be sent now (its deployment is past its queue

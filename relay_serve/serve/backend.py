@@ -3,7 +3,7 @@
 Besides passing segments through, it guards the small deployment for the relay policy: the number
 of small-model segments this router replica has in flight (``max_small_in_flight``: past it, the
 large model keeps its handoffs), and a deadline for the small model's first reply
-(``small_timeout_s``: a deployment scaled to zero or unreachable is then left alone for
+(the session's ``timeout_s``: a deployment scaled to zero or unreachable is then left alone for
 ``small_retry_after_s`` seconds instead of being waited for by every request).
 """
 
@@ -27,13 +27,11 @@ class ServeBackend(Backend):
         small,
         affinity: bool = True,
         max_small_in_flight: int | None = None,
-        small_timeout_s: float | None = None,
         small_retry_after_s: float = 10.0,
     ) -> None:
         self.handles = {"large": large, "small": small}
         self.affinity = affinity
         self.max_small_in_flight = max_small_in_flight
-        self.small_timeout_s = small_timeout_s
         self.small_retry_after_s = small_retry_after_s
         self.in_flight = {"large": 0, "small": 0}
         self._small_down_until = 0.0
@@ -53,9 +51,11 @@ class ServeBackend(Backend):
             opts["session_id"] = request.session_id
         return self.handles[request.model].options(**opts)
 
-    async def generate(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
+    async def generate(
+        self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
+    ) -> AsyncIterator[EngineChunk]:
         model = request.model
-        deadline = self.small_timeout_s if model == "small" else None  # for the first reply only
+        deadline = timeout_s  # for the first reply only
         response = self._handle(request, stream).remote(request.model_dump())
         self.in_flight[model] += 1
         finished = False
@@ -80,10 +80,10 @@ class ServeBackend(Backend):
                 yield chunk
         except TimeoutError as e:
             if model != "small":
-                raise EngineError(f"{model} deployment: no reply in time") from e
+                raise EngineError(f"{model} deployment: no reply within {timeout_s} s") from e
             self._small_down_until = time.monotonic() + self.small_retry_after_s
             self._small_down_reason = (
-                f"the small deployment did not answer within {self.small_timeout_s} s (scaled to zero or "
+                f"the small deployment did not answer within {timeout_s} s (scaled to zero or "
                 f"unreachable); the large model writes its segments for {self.small_retry_after_s} s"
             )
             log.warning("%s", self._small_down_reason)

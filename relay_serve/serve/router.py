@@ -79,7 +79,6 @@ class RelayRouter:
                 small,
                 affinity=r.session_affinity,
                 max_small_in_flight=r.max_small_in_flight,
-                small_timeout_s=r.small_timeout_s,
                 small_retry_after_s=r.small_retry_after_s,
             )
         self.backend = backend
@@ -286,6 +285,7 @@ class RelayRouter:
             cue_set_version=cue_set.version,
             retries=self.cfg.router.segment_retries,
             retry_backoff_s=self.cfg.router.retry_backoff_s,
+            small_timeout_s=self.cfg.router.small_timeout_s,
         )
 
     async def _serve(self, req, prompt_ids: list[int], chat: bool):

@@ -232,7 +232,7 @@ def test_degrades_to_the_large_model_when_the_small_one_is_unavailable():
 
 def test_engine_that_ends_a_stream_without_finishing_is_an_error():
     s, backend = make_session({"large": follow(REF), "small": follow(REF)})
-    backend.generate = lambda request, stream=True: _empty()
+    backend.generate = lambda request, stream=True, timeout_s=None: _empty()
     with pytest.raises(EngineError):
         run(s, RelayGen(PolicySettings(), CUES))
 

@@ -129,10 +129,10 @@ class Silent:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_silent_small_deployment_times_out_and_is_left_alone_for_a_while(stream):
     h = FakeHandle(Silent())
-    b = ServeBackend(None, h, small_timeout_s=0.05, small_retry_after_s=60)
+    b = ServeBackend(None, h, small_retry_after_s=60)
 
     async def drain():
-        return [c async for c in b.generate(req("small"), stream=stream)]
+        return [c async for c in b.generate(req("small"), stream=stream, timeout_s=0.05)]
 
     with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
         asyncio.run(drain())

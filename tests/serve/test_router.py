@@ -165,7 +165,7 @@ def test_unknown_route_has_an_error_body():
 def test_engine_failure_is_a_5xx_with_an_error_body():
     router, backend = make_router()
 
-    async def failing(request, stream=True):
+    async def failing(request, stream=True, timeout_s=None):
         yield EngineChunk(token_ids=[1])
         raise RuntimeError("replica died")
 

