@@ -187,6 +187,9 @@ def eval_cmd(
 def bench_cmd(
     concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
     requests: int = typer.Option(32, "--requests", min=1, help="requests per mode and level"),
+    small_queue_bound: int = typer.Option(
+        4, "--small-queue-bound", min=0, help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)"
+    ),
     replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the relay schedules on the speed pair"),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
     as_json: bool = typer.Option(False, "--json"),
@@ -204,14 +207,47 @@ def bench_cmd(
             raise ValueError
     except ValueError:
         raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8,32", param_hint="--concurrency") from None
-    s = BenchSettings(concurrency=levels, requests_per_level=requests)
+    s = BenchSettings(concurrency=levels, requests_per_level=requests, small_queue_bound=small_queue_bound or None)
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
     report = run_bench(s, folder, replay=replay, progress=not as_json)
     if as_json:
-        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], "replay": report.get("replay")}))
+        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], "overload": report.get("overload"), "replay": report.get("replay")}))
     else:
         typer.echo((folder / "bench.md").read_text())
         typer.echo(f"written to {folder}")
+
+
+@app.command("soak")
+def soak_cmd(
+    clients: int = typer.Option(64, "--clients", min=1, max=4096, help="concurrent clients"),
+    duration: float = typer.Option(120.0, "--duration", min=1.0, help="seconds of load"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1),
+    url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as one JSON line"),
+) -> None:
+    """A bounded soak: CLIENTS clients for DURATION seconds, then the router's in-flight count and
+    affinity map must be back to where they started, with no failed request. Exits 1 otherwise."""
+    from relay_serve.bench.soak import SoakSettings, run_soak
+    from relay_serve.eval.runner import service
+
+    s = SoakSettings(clients=clients, duration_s=duration, max_tokens=max_tokens)
+    with service(url) as base:
+        report = run_soak(base, s, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        rss, aff = report["router_rss_mib"], report["affinity_sessions"]
+        typer.echo(
+            f"{report['requests']} requests in {report['wall_s']} s ({report['requests_per_s']}/s), {report['errors']} failed; "
+            f"latency p50 {report['latency_p50_s']} s, p99 {report['latency_p99_s']} s\n"
+            f"router affinity sessions before/peak/end/after: {aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
+            f"RSS MiB before/peak/end/after: {rss['before']}/{rss['peak']}/{rss['end']}/{rss['after']}; "
+            "Python memory blocks before/peak/end/after: {before}/{peak}/{end}/{after}".format(**report["router_python_blocks"])
+        )
+        for err in report["first_errors"]:
+            typer.echo(f"  failed: {err}", err=True)
+        typer.echo("PASSED" if report["passed"] else "FAILED")
+    raise typer.Exit(0 if report["passed"] else 1)
 
 
 class OutFormat(str, Enum):

@@ -29,6 +29,9 @@ class BenchSettings(PaperSampling):
     max_tokens: int = 256
     replay_requests: int = 16
     replay_concurrency: list[int] = Field(default_factory=lambda: [1, 8])
+    small_queue_bound: int | None = Field(
+        4, ge=1, description="also run relay at the top concurrency with router.max_small_in_flight set to this (None: skip)"
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -78,6 +81,7 @@ def level_metrics(results: list[dict], wall_s: float) -> dict[str, Any]:
         "router_overhead_per_switch_ms_p50": round(1000 * pct(overhead, 0.5), 3) if overhead else None,
         "router_overhead_per_request_ms_p50": round(1000 * pct(per_request_overhead, 0.5), 3),
         "degraded_requests": sum(1 for u in relay if u.get("degraded")),
+        "kept_on_large_per_request": round(statistics.fmean(u.get("kept_on_large", 0) for u in relay), 3),
     }
 
 
@@ -145,6 +149,19 @@ def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str,
     return {"levels": levels, "schedules": schedules, "per_token_cost_ms": cost}
 
 
+def run_overload(base: str, s: BenchSettings, unbounded: dict[str, Any]) -> dict[str, Any]:
+    """relay at the top concurrency on an app whose router keeps handoffs on the large model past
+    ``small_queue_bound`` small-model segments in flight, beside the same run without a bound."""
+    from relay_serve.toy.world import ToyWorld
+
+    c = max(s.concurrency)
+    n = max(c, s.requests_per_level)
+    prompts = [p.prompt for p in ToyWorld().sample_heldout(n, seed=s.seed)]
+    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up
+    results, wall = asyncio.run(_fire(base, _bodies(s, "relay", prompts, n), c))
+    return {"bound": s.small_queue_bound, "concurrency": c, "unbounded": unbounded, "bounded": level_metrics(results, wall)}
+
+
 def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progress: bool = True) -> dict[str, Any]:
     """The recorded relay schedules on the speed pair: relay against large-only and small-only
     replays of the same token counts."""
@@ -207,6 +224,21 @@ def markdown(report: dict[str, Any]) -> str:
             )
     pc = report["trained"]["per_token_cost_ms"]
     lines += ["", f"Per-token cost at concurrency 1: large {pc['large']} ms, small {pc['small']} ms.", ""]
+    if report.get("overload"):
+        o = report["overload"]
+        lines += [
+            f"Overload: relay at concurrency {o['concurrency']}, without and with a bound of {o['bound']} small-model "
+            "segments in flight (router.max_small_in_flight; past it the large model keeps the handoff):",
+            "",
+            "| small queue bound | p50 latency (s) | p90 latency (s) | output tok/s | small share | handoffs kept on large/req | degraded requests |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, m in (("none", o["unbounded"]), (str(o["bound"]), o["bounded"])):
+            lines.append(
+                f"| {name} | {m['latency_p50_s']} | {m['latency_p90_s']} | {m['output_tokens_per_s']} | {m['small_token_share']} | "
+                f"{m.get('kept_on_large_per_request', 0)} | {m['degraded_requests']} |"
+            )
+        lines.append("")
     if report.get("replay"):
         lines += [
             "Speed pair (random weights), replaying the relay's recorded segment schedules:",
@@ -290,6 +322,12 @@ def run_bench(s: BenchSettings, out: Path, replay: bool = True, progress: bool =
     base = start(AppConfig(), port=port)
     report["trained"] = run_trained(base, s, progress)
     serve.delete("relay")
+    if s.small_queue_bound is not None:
+        cfg = AppConfig()
+        cfg.router.max_small_in_flight = s.small_queue_bound
+        base = start(cfg, port=port)
+        report["overload"] = run_overload(base, s, report["trained"]["levels"]["relay"][max(s.concurrency)])
+        serve.delete("relay")
     if replay:
         from relay_serve.toy.speed_pair import ensure_speed_pair
 

@@ -149,7 +149,7 @@ class Session:
                 raise  # the backend knows the deployment cannot answer now: no point asking again
             except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
                 failures += 1
-                log.warning("session %s: %s engine request failed (%d of %d allowed): %s", self.session_id, model, failures, allowed + 1, e)
+                log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, model, failures, allowed, e)
                 if failures > allowed:
                     failed = f"the {model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
                     raise (SmallModelUnavailable if model == "small" else EngineError)(failed) from e

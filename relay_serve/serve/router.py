@@ -153,9 +153,23 @@ class RelayRouter:
         return self.cues.describe()
 
     async def stats(self) -> dict[str, Any]:
+        """This router replica's state: generations in flight, sessions its affinity routers
+        remember, segments it has in flight per model, its resident memory and the number of
+        memory blocks Python has allocated (what a leak of Python objects would grow)."""
+        import sys
+
+        import psutil
+
         from relay_serve.serve.affinity import affinity_map_size
 
-        return {"in_flight": self.in_flight, "affinity_sessions": affinity_map_size()}
+        segments = getattr(self.backend, "in_flight", None)
+        return {
+            "in_flight": self.in_flight,
+            "affinity_sessions": affinity_map_size(),
+            "segments_in_flight": dict(segments) if isinstance(segments, dict) else None,
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "python_blocks": sys.getallocatedblocks(),
+        }
 
     async def chat_completions(self, request: Request):
         return await self._chat(await self._parse(request, ChatCompletionRequest))

@@ -55,8 +55,11 @@ def test_report_files(tmp_path):
         "trained": {"levels": {"large": {1: level}, "relay": {1: relay}}, "per_token_cost_ms": {"large": 4.0, "small": 2.0}},
         "replay": {"levels": {1: {"relay": level, "speedup": {"per_token_cost_ms": {"large": 9.0, "small": 1.0}, "ideal": 1.3, "achieved": 1.25, "achieved_over_ideal": 0.962}}}},
     }
+    bounded = {**level, "kept_on_large_per_request": 1.5, "degraded_requests": 1}
+    report["overload"] = {"bound": 4, "concurrency": 1, "unbounded": relay, "bounded": bounded}
     md = markdown(report)
     assert "| relay | 1 |" in md and "1.1 / 1.2" in md and "0.962" in md
+    assert "a bound of 4 small-model segments" in md and "| 4 | 1.0 | 1.0 | 40.0 | 0.25 | 1.5 | 1 |" in md
     paths = plots(report, tmp_path)
     assert [p.name for p in paths] == ["latency.png", "speedup.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
