@@ -146,25 +146,15 @@ def run_soak(base: str, s: SoakSettings, progress: bool = True) -> dict[str, Any
     at_end = stats(base)
     time.sleep(s.settle_s)
     after = stats(base)
-    mib = 1 << 20
+    phases = {"before": before, "peak": load["router_peak"], "end": at_end, "after": after}
     report = {
         "settings": s.model_dump(),
         **load,
         "router_before": before,
         "router_after": after,
-        "router_rss_mib": {
-            k: round(v["rss_bytes"] / mib, 1)
-            for k, v in (("before", before), ("peak", load["router_peak"]), ("end", at_end), ("after", after))
-        },
-        "router_python_blocks": {
-            k: v["python_blocks"] for k, v in (("before", before), ("peak", load["router_peak"]), ("end", at_end), ("after", after))
-        },
-        "affinity_sessions": {
-            "before": before["affinity_sessions"],
-            "peak": load["router_peak"]["affinity_sessions"],
-            "end": at_end["affinity_sessions"],
-            "after": after["affinity_sessions"],
-        },
+        "router_rss_mib": {k: round(v["rss_bytes"] / (1 << 20), 1) for k, v in phases.items()},
+        "router_python_blocks": {k: v["python_blocks"] for k, v in phases.items()},
+        "affinity_sessions": {k: v["affinity_sessions"] for k, v in phases.items()},
     }
     report["passed"] = (
         load["errors"] == 0

@@ -316,13 +316,8 @@ class RelayRouter:
             result = await asyncio.wait_for(session.run(policy), timeout=self.cfg.router.request_timeout_s)
         except asyncio.TimeoutError as e:
             raise ServerError(f"the generation took longer than {self.cfg.router.request_timeout_s} s", status=504) from e
-        except SmallModelUnavailable as e:
-            raise ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable") from e
-        except EngineError as e:
-            raise ServerError(f"an engine failed: {e}", status=502, code="engine_error") from e
-        except Exception as e:
-            log.exception("generation %s failed", session.session_id)
-            raise ServerError(f"the generation failed: {type(e).__name__}: {e}", status=502, code="engine_error") from e
+        except Exception as e:  # noqa: BLE001 - typed for the client by _generation_failure
+            raise _generation_failure(e, session.session_id) from e
         finally:
             self.in_flight -= 1
             self._release(session)
@@ -384,19 +379,24 @@ class RelayRouter:
                             yield _sse(tail)
         except TimeoutError:
             yield _sse(error_body(f"the generation took longer than {self.cfg.router.request_timeout_s} s", "server_error", code="timeout"))
-        except SmallModelUnavailable as e:
-            yield _sse(error_body(f"the small model is unavailable: {e}", "server_error", code="model_unavailable"))
-        except EngineError as e:
-            log.warning("streamed generation %s failed: %s", session.session_id, e)
-            yield _sse(error_body(f"an engine failed: {e}", "server_error", code="engine_error"))
-        except Exception as e:  # noqa: BLE001 - reported to the client in the stream, then logged
-            log.exception("streamed generation %s failed", session.session_id)
-            yield _sse(error_body(f"the generation failed: {type(e).__name__}: {e}", "server_error", code="engine_error"))
+        except Exception as e:  # noqa: BLE001 - reported to the client in the stream
+            yield _sse(_generation_failure(e, session.session_id).body())
         finally:
             await events.aclose()
             self.in_flight -= 1
             self._release(session)
         yield "data: [DONE]\n\n"
+
+
+def _generation_failure(e: Exception, session_id: str) -> ServerError:
+    """What a client is told when a generation fails (HTTP status and body; in a stream, the body)."""
+    if isinstance(e, SmallModelUnavailable):
+        return ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable")
+    if isinstance(e, EngineError):
+        log.warning("generation %s failed: %s", session_id, e)
+        return ServerError(f"an engine failed: {e}", status=502, code="engine_error")
+    log.error("generation %s failed", session_id, exc_info=e)
+    return ServerError(f"the generation failed: {type(e).__name__}: {e}", status=502, code="engine_error")
 
 
 def _sse(obj: dict[str, Any]) -> str:
