@@ -136,7 +136,22 @@ class RouterSettings(Strict):
     deployment: DeploymentSettings = Field(
         default_factory=lambda: DeploymentSettings(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1})
     )
-    session_affinity: bool = Field(True, description="route each generation's segments to the replica holding its prefix")
+    transport: Literal["direct", "handle"] = Field(
+        "direct",
+        description="direct: a generation leases a replica of each model through Ray Serve and sends its segments over "
+        "that replica's TCP channel; handle: every segment is a Ray Serve handle call",
+    )
+    session_affinity: bool = Field(
+        True,
+        description="keep each generation's segments on the replica holding its prefix (direct: one lease a generation, "
+        "not one a segment; handle: the SessionAffinityRouter)",
+    )
+    lease_idle_s: float = Field(
+        2.0, ge=0.0, description="direct: a lease a generation gave back waits this long for the next one (0: no reuse)"
+    )
+    lease_max_age_s: float = Field(
+        30.0, gt=0.0, description="direct: a lease this old is not reused; Serve places the next generation afresh"
+    )
     max_request_bytes: int = Field(1_000_000, ge=1024)
     max_stop_strings: int = Field(16, ge=0)
     max_stop_length: int = Field(64, ge=1)

@@ -46,6 +46,7 @@ class SingleModel:
 
     def __init__(self, model: ModelRole) -> None:
         self.model = model
+        self.prefetch: tuple[ModelRole, ...] = (model,)  # the models a generation will surely use
 
     async def run(self, s: Session) -> None:
         out = await s.segment(self.model, [], s.left)
@@ -55,6 +56,8 @@ class SingleModel:
 class RelayGen:
     """RelayGen: the large model reasons and hands each sentence opened by a cue to the small model,
     which also writes the whole answer after the reasoning ends."""
+
+    prefetch: tuple[ModelRole, ...] = ("large", "small")  # the small model writes the answer
 
     def __init__(self, settings: PolicySettings, cues: list[str]) -> None:
         self.settings = settings
@@ -182,6 +185,7 @@ class SpeculativeThinking:
     that stretch (to the next paragraph break) instead."""
 
     BREAK = "\n\n"
+    prefetch: tuple[ModelRole, ...] = ("small",)  # the large model only writes reflective stretches
 
     def __init__(self, settings: PolicySettings) -> None:
         self.settings = settings
@@ -228,6 +232,7 @@ class Replay:
 
     def __init__(self, schedule: list[ReplayStep]) -> None:
         self.schedule = schedule
+        self.prefetch: tuple[ModelRole, ...] = tuple(dict.fromkeys(step.model for step in schedule))
 
     async def run(self, s: Session) -> None:
         out = None

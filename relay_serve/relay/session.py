@@ -288,6 +288,7 @@ class Session:
     async def run(self, policy) -> GenerationResult:
         """Run ``policy`` to the end and return the whole generation."""
         t0 = time.perf_counter()
+        self.backend.prepare(self.session_id, getattr(policy, "prefetch", ()))
         await policy.run(self)
         self.finish("stop")
         self.usage.wall_s = time.perf_counter() - t0

@@ -74,6 +74,13 @@ class Backend(ABC):
         bound, or did not answer lately), or None when it may."""
         return None
 
+    def prepare(self, session_id: str, models: Sequence[ModelRole]) -> None:
+        """A generation starts and will use ``models``: the backend may get ready for them (take
+        a replica) before its first request to each."""
+
+    def release(self, session_id: str) -> None:
+        """The generation ended: forget it (give back what ``prepare`` or its requests took)."""
+
 
 class TextCodec(Protocol):
     """The tokenizer both models share (the relay hands token ids over)."""

@@ -28,7 +28,9 @@ def build_app(cfg: AppConfig):
     from relay_serve.serve.router import RelayRouter, check_same_tokenizer
 
     check_same_tokenizer(cfg)
-    affinity = cfg.router.session_affinity
+    # The direct transport needs the router too (it follows which replicas Serve routes to); its
+    # lease calls carry no session id, so it ranks the two least loaded replicas.
+    affinity = cfg.router.session_affinity or cfg.router.transport == "direct"
     large = _model_deployment("large", cfg.large, affinity, cfg.env_vars)
     small = _model_deployment("small", cfg.small, affinity, cfg.env_vars)
     router_cls = serve.ingress()(RelayRouter)

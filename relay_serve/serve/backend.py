@@ -1,4 +1,5 @@
-"""The relay core's Backend over the two model deployments' Ray Serve handles.
+"""The relay core's Backend over the two model deployments (segments go by ``transport.py``: over
+a leased replica's direct channel, or as Ray Serve handle calls).
 
 Besides passing segments through, it guards the small deployment for the relay policy: the number
 of small-model segments this router replica has in flight (``max_small_in_flight``: past it, the
@@ -12,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, SegmentRequest
+from relay_serve.relay.types import Backend, EngineChunk, ModelRole, SegmentRequest
+from relay_serve.serve.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,26 @@ class ServeBackend(Backend):
         affinity: bool = True,
         max_small_in_flight: int | None = None,
         small_retry_after_s: float = 10.0,
+        transport: str = "direct",
+        lease_ttl_s: float = 660.0,
+        lease_idle_s: float = 2.0,
+        lease_max_age_s: float = 30.0,
+        in_rotation=None,
     ) -> None:
-        self.handles = {"large": large, "small": small}
-        self.affinity = affinity
+        handles = {"large": large, "small": small}
+        if transport == "direct":
+            self.transport: DirectTransport | HandleTransport = DirectTransport(
+                handles,
+                affinity=affinity,
+                ttl_s=lease_ttl_s,
+                idle_s=lease_idle_s,
+                max_age_s=lease_max_age_s,
+                in_rotation=in_rotation,
+            )
+        elif transport == "handle":
+            self.transport = HandleTransport(handles, affinity=affinity)
+        else:
+            raise ValueError(f"unknown transport {transport!r}: direct or handle")
         self.max_small_in_flight = max_small_in_flight
         self.small_retry_after_s = small_retry_after_s
         self.in_flight = {"large": 0, "small": 0}
@@ -45,40 +64,33 @@ class ServeBackend(Backend):
             return self._small_down_reason
         return None
 
-    def _handle(self, request: SegmentRequest, stream: bool):
-        opts = {"method_name": "generate" if stream else "complete", "stream": stream}
-        if self.affinity:
-            opts["session_id"] = request.session_id
-        return self.handles[request.model].options(**opts)
+    def prepare(self, session_id: str, models: Iterable[ModelRole]) -> None:
+        self.transport.prepare(session_id, [m for m in models if m != "small" or self.small_refusal() is None])
+
+    def release(self, session_id: str) -> None:
+        self.transport.release(session_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.transport.stats()
 
     async def generate(
         self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
     ) -> AsyncIterator[EngineChunk]:
         model = request.model
         deadline = timeout_s  # for the first reply only
-        response = self._handle(request, stream).remote(request.model_dump())
+        chunks = self.transport.segment(request, stream)
         self.in_flight[model] += 1
-        finished = False
         try:
-            if stream:
-                chunks = response.__aiter__()
-                while True:
-                    try:
-                        async with asyncio.timeout(deadline):
-                            data = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    deadline = None
-                    chunk = EngineChunk.model_validate(data)
-                    finished = chunk.finished
-                    yield chunk
-            else:
-                async with asyncio.timeout(deadline):
-                    data = await response
-                chunk = EngineChunk.model_validate(data)
-                finished = True
+            while True:
+                try:
+                    async with asyncio.timeout(deadline):
+                        chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                deadline = None
                 yield chunk
         except TimeoutError as e:
+            self.transport.drop(request.session_id, model)  # a lease still queued in Serve goes too
             if model != "small":
                 raise EngineError(f"{model} deployment: no reply within {timeout_s} s") from e
             self._small_down_until = time.monotonic() + self.small_retry_after_s
@@ -92,5 +104,4 @@ class ServeBackend(Backend):
             raise EngineError(f"{model} deployment: {type(e).__name__}: {e}") from e
         finally:
             self.in_flight[model] -= 1
-            if not finished:
-                response.cancel()
+            await chunks.aclose()

@@ -71,15 +71,22 @@ class RelayRouter:
         self.cfg = AppConfig.model_validate(config)
         self.codec = check_same_tokenizer(self.cfg)
         if backend is None:
+            from relay_serve.serve import affinity_registry
             from relay_serve.serve.backend import ServeBackend
 
             r = self.cfg.router
+            app = self.cfg.name
             backend = ServeBackend(
                 large,
                 small,
                 affinity=r.session_affinity,
                 max_small_in_flight=r.max_small_in_flight,
                 small_retry_after_s=r.small_retry_after_s,
+                transport=r.transport,
+                lease_ttl_s=r.lease_max_age_s + r.request_timeout_s + 60.0,  # outlives any use of it
+                lease_idle_s=r.lease_idle_s,
+                lease_max_age_s=r.lease_max_age_s,
+                in_rotation=lambda model, replica_id: affinity_registry.replica_running(app, model, replica_id),
             )
         self.backend = backend
         self.api_keys = [k.encode() for k in self.cfg.router.api_keys()]
@@ -153,19 +160,22 @@ class RelayRouter:
         return self.cues.describe()
 
     async def stats(self) -> dict[str, Any]:
-        """This router replica's state: generations in flight, sessions its affinity routers
-        remember, segments it has in flight per model, its resident memory and the number of
-        memory blocks Python has allocated (what a leak of Python objects would grow)."""
+        """This router replica's state: generations in flight, sessions pinned to replicas
+        (leases held, or remembered by the affinity routers), segments in flight per model, open
+        segment channels, its resident memory and the number of memory blocks Python has
+        allocated (what a leak of Python objects would grow)."""
         import sys
 
         import psutil
 
-        from relay_serve.serve.affinity import affinity_map_size
-
         segments = getattr(self.backend, "in_flight", None)
+        held = self.backend.stats() if hasattr(self.backend, "stats") else {}
         return {
             "in_flight": self.in_flight,
-            "affinity_sessions": affinity_map_size(),
+            "affinity_sessions": held.get("affinity_sessions", 0),
+            "leases": held.get("leases"),
+            "idle_leases": held.get("idle_leases"),
+            "channels": held.get("channels"),
             "segments_in_flight": dict(segments) if isinstance(segments, dict) else None,
             "rss_bytes": psutil.Process().memory_info().rss,
             "python_blocks": sys.getallocatedblocks(),
@@ -324,10 +334,7 @@ class RelayRouter:
         return self._response(req, session, result, chat)
 
     def _release(self, session: Session) -> None:
-        if self.cfg.router.session_affinity:
-            from relay_serve.serve.affinity import release_session
-
-            release_session(session.session_id)
+        self.backend.release(session.session_id)
 
     def _usage(self, session: Session, result: GenerationResult) -> Usage:
         n_prompt, n_out = len(session.prompt_ids), len(result.token_ids)

@@ -1,4 +1,4 @@
-"""ServeBackend over fake handles: chunks pass through, an early close cancels the Ray response,
+"""ServeBackend with the handle transport over fake handles: chunks pass through, an early close cancels the Ray response,
 failures are typed by who can recover."""
 
 import asyncio
@@ -49,7 +49,7 @@ CHUNKS = [EngineChunk(token_ids=[5]), EngineChunk(token_ids=[6]), EngineChunk(to
 
 def test_chunks_pass_through_with_the_session_id():
     h = FakeHandle(FakeResponse(CHUNKS))
-    b = ServeBackend(h, None)
+    b = ServeBackend(h, None, transport="handle")
 
     async def go():
         return [c async for c in b.generate(req())]
@@ -75,7 +75,7 @@ def test_unstreamed_segments_take_one_call():
     h = FakeHandle(Unary())
 
     async def go():
-        return [c async for c in ServeBackend(h, None).generate(req(), stream=False)]
+        return [c async for c in ServeBackend(h, None, transport="handle").generate(req(), stream=False)]
 
     out = asyncio.run(go())
     assert [c.token_ids for c in out] == [[5, 6]] and out[0].stop_reason == "x"
@@ -85,7 +85,7 @@ def test_unstreamed_segments_take_one_call():
 
 def test_closing_early_cancels_the_ray_response():
     h = FakeHandle(FakeResponse(CHUNKS))
-    b = ServeBackend(h, None)
+    b = ServeBackend(h, None, transport="handle")
 
     async def go():
         gen = b.generate(req())
@@ -102,7 +102,7 @@ def test_a_failed_call_is_an_engine_error_for_the_session_to_retry():
 
     for model, after in (("small", 0), ("small", 1), ("large", 0)):
         h = FakeHandle(FakeResponse(CHUNKS, fail_after=after))
-        b = ServeBackend(h, h)
+        b = ServeBackend(h, h, transport="handle")
         with pytest.raises(EngineError, match="actor died"):
             asyncio.run(drain(b, model))
         assert b.in_flight == {"large": 0, "small": 0} and b.small_refusal() is None
@@ -129,7 +129,7 @@ class Silent:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_silent_small_deployment_times_out_and_is_left_alone_for_a_while(stream):
     h = FakeHandle(Silent())
-    b = ServeBackend(None, h, small_retry_after_s=60)
+    b = ServeBackend(None, h, small_retry_after_s=60, transport="handle")
 
     async def drain():
         return [c async for c in b.generate(req("small"), stream=stream, timeout_s=0.05)]
@@ -149,7 +149,7 @@ def test_past_the_queue_bound_small_segments_are_refused():
             for c in self.chunks:
                 yield c.model_dump()
 
-    b = ServeBackend(None, FakeHandle(Slow(CHUNKS)), max_small_in_flight=2)
+    b = ServeBackend(None, FakeHandle(Slow(CHUNKS)), max_small_in_flight=2, transport="handle")
 
     async def go():
         async def drain():

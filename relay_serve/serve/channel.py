@@ -1,0 +1,305 @@
+"""The segment channel: a direct TCP connection from a router replica to a model replica.
+
+A Ray Serve handle call costs 3-5 ms on a 2-core machine (its router, the rejection protocol, the
+replica's request wrapper, metrics); a relay generation makes one engine request per segment, and
+that cost was most of a handoff. Serve still places, admits, autoscales and watches the replicas,
+at the granularity of a generation (a *lease*, see ``transport.py``); the segments of a leased
+generation travel over this channel instead.
+
+Wire format: frames of a 4-byte big-endian length and a msgpack body (msgspec), at most
+``MAX_FRAME_BYTES``. The client's first frame is ``{"op": "hello", "token": ...}``: the replica's
+token, handed out only with a lease through Ray Serve; a connection with a wrong token is closed.
+Then, client to replica: ``{"op": "generate", "id", "stream", "request"}`` and
+``{"op": "cancel", "id"}``; replica to client: ``{"id", "chunk"}`` (an EngineChunk as a mapping; a
+non-streamed request gets one, the whole output) or ``{"id", "error"}``. Requests are multiplexed
+on one connection by id; a closed connection fails every request still open on it, and the replica
+aborts every engine request of a connection that closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import secrets
+import socket
+import struct
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct("!I")
+MAX_FRAME_BYTES = 64 << 20
+HELLO_TIMEOUT_S = 10.0
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+SegmentRunner = Callable[[dict[str, Any], bool], AsyncIterator[dict[str, Any]]]
+
+
+class ChannelError(ConnectionError):
+    """The connection to a replica could not be made, or closed (the replica died or refused it)."""
+
+
+class RemoteError(RuntimeError):
+    """The replica could not serve one request (its message says why)."""
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    body = _encoder.encode(message)
+    return FRAME.pack(len(body)) + body
+
+
+async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """The next frame; IncompleteReadError at the end of the stream, ChannelError when malformed."""
+    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    if size > MAX_FRAME_BYTES:
+        raise ChannelError(f"a frame of {size} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    try:
+        message = _decoder.decode(await reader.readexactly(size))
+    except msgspec.DecodeError as e:
+        raise ChannelError(f"a malformed frame: {e}") from e
+    if not isinstance(message, dict):
+        raise ChannelError("a frame that is not a mapping")
+    return message
+
+
+def _no_delay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# ---- the replica's end ---------------------------------------------------------------------------
+
+
+class SegmentServer:
+    """Serves segment requests on ``host`` (port 0: any free port) with ``run(request, stream)``,
+    which yields EngineChunk mappings (one for a non-streamed request)."""
+
+    def __init__(self, run: SegmentRunner, host: str, port: int = 0, token: str | None = None) -> None:
+        self.run = run
+        self.host = host
+        self.port = port
+        self.token = token or secrets.token_urlsafe(24)
+        self.connections = 0
+        self.refused = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._connection, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("segment channel listening on %s", self.address)
+
+    async def close(self) -> None:
+        """Stop listening and drop every connection (their open requests are aborted here and
+        fail at once on the routers, which retry elsewhere)."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _no_delay(writer)
+        peer = writer.get_extra_info("peername")
+        tasks: dict[int, asyncio.Task] = {}
+        self._writers.add(writer)
+        try:
+            try:
+                hello = await asyncio.wait_for(read_message(reader), HELLO_TIMEOUT_S)
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                self.refused += 1
+                return
+            token = hello.get("token")
+            if hello.get("op") != "hello" or not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+                self.refused += 1
+                log.warning("segment channel: refused a connection from %s (no valid token)", peer)
+                return
+            self.connections += 1
+            while True:
+                try:
+                    message = await read_message(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the router closed the connection (or died): its requests go with it
+                op, rid = message.get("op"), message.get("id")
+                if not isinstance(rid, int):
+                    log.warning("segment channel: a message without an id from %s; closing", peer)
+                    return
+                if op == "generate" and rid not in tasks:
+                    request, stream = message.get("request"), bool(message.get("stream"))
+                    tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks))
+                elif op == "cancel":
+                    task = tasks.pop(rid, None)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    log.warning("segment channel: unexpected message %r from %s; closing", op, peer)
+                    return
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _generate(self, rid: int, request: Any, stream: bool, writer: asyncio.StreamWriter, tasks: dict) -> None:
+        try:
+            if not isinstance(request, dict):
+                raise ValueError("the request is not a mapping")
+            async for chunk in self.run(request, stream):
+                if writer.is_closing():
+                    return
+                writer.write(pack({"id": rid, "chunk": chunk}))
+                await writer.drain()
+        except asyncio.CancelledError:
+            raise  # cancelled by the router, or its connection closed: nobody waits for a reply
+        except Exception as e:  # noqa: BLE001 - reported to the router, which retries or fails the segment
+            log.warning("segment %d failed: %s: %s", rid, type(e).__name__, e)
+            if not writer.is_closing():
+                writer.write(pack({"id": rid, "error": f"{type(e).__name__}: {e}"}))
+        finally:
+            tasks.pop(rid, None)
+
+
+# ---- the router's end ----------------------------------------------------------------------------
+
+
+class Channel:
+    """One connection to a replica's SegmentServer, shared by every segment sent there."""
+
+    def __init__(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.address = address
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Queue] = {}
+        self.closed: ChannelError | None = None
+        self._read_task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, address: str, token: str, timeout_s: float = 10.0) -> Channel:
+        host, _, port = address.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
+        except (OSError, TimeoutError) as e:
+            raise ChannelError(f"cannot connect to the replica at {address}: {e or type(e).__name__}") from e
+        _no_delay(writer)
+        writer.write(pack({"op": "hello", "token": token}))
+        return cls(address, reader, writer)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def request(self, request: dict[str, Any], stream: bool) -> AsyncIterator[dict[str, Any]]:
+        """The replica's EngineChunk mappings for one request; closing early cancels it there."""
+        if self.closed is not None:
+            raise self.closed
+        rid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[rid] = queue
+        self._writer.write(pack({"op": "generate", "id": rid, "stream": stream, "request": request}))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if "error" in item:
+                    done = True
+                    raise RemoteError(str(item["error"]))
+                chunk = item.get("chunk")
+                if not isinstance(chunk, dict):
+                    raise ChannelError(f"the replica at {self.address} sent a malformed reply")
+                done = bool(chunk.get("finished"))
+                yield chunk
+                if done:
+                    return
+        finally:
+            self._pending.pop(rid, None)
+            if not done and self.closed is None:
+                self._writer.write(pack({"op": "cancel", "id": rid}))
+
+    async def _read_loop(self) -> None:
+        reason = "closed by the router"
+        try:
+            while True:
+                message = await read_message(self._reader)
+                queue = self._pending.get(message.get("id"))
+                if queue is not None:  # else: a request given up on (cancelled) still answered
+                    queue.put_nowait(message)
+        except asyncio.IncompleteReadError:
+            reason = "closed by the replica"
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - any read failure ends the connection
+            reason = f"{type(e).__name__}: {e}"
+        finally:
+            self._fail(ChannelError(f"the connection to the replica at {self.address} ended ({reason})"))
+
+    def _fail(self, error: ChannelError) -> None:
+        if self.closed is not None:
+            return
+        self.closed = error
+        for queue in self._pending.values():
+            queue.put_nowait(error)
+        self._writer.close()
+
+    def close(self, reason: str = "closed by the router") -> None:
+        self._fail(ChannelError(f"the connection to the replica at {self.address} ended ({reason})"))
+        self._read_task.cancel()
+
+
+class ChannelPool:
+    """The router replica's connections, one per model replica, opened on first use."""
+
+    def __init__(self, connect_timeout_s: float = 10.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._channels: dict[str, Channel] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+
+    def __len__(self) -> int:
+        return sum(1 for c in self._channels.values() if c.closed is None)
+
+    async def get(self, address: str, token: str) -> Channel:
+        channel = self._channels.get(address)
+        if channel is not None and channel.closed is None:
+            return channel
+        waiting = self._connecting.get(address)
+        if waiting is not None:
+            return await asyncio.shield(waiting)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._connecting[address] = future
+        try:
+            channel = await Channel.connect(address, token, self.connect_timeout_s)
+            self._channels[address] = channel
+            future.set_result(channel)
+            return channel
+        except BaseException as e:
+            future.set_exception(e if isinstance(e, Exception) else ChannelError(f"connecting to {address} was cancelled"))
+            future.exception()  # retrieved: waiters (if any) get it too
+            raise
+        finally:
+            self._connecting.pop(address, None)
+
+    def drop(self, address: str, reason: str) -> None:
+        """Close the connection to ``address`` (its replica is gone): its open requests fail now."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close(reason)
+
+    def close(self) -> None:
+        for address in list(self._channels):
+            self.drop(address, "the router is shutting down")

@@ -1,0 +1,248 @@
+"""The segment channel over real loopback TCP: chunks in order, requests multiplexed on one
+connection, cancellation both ways, a wrong token refused, failures reported to the right request,
+a dead peer noticed at once, hostile frames survived."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from relay_serve.serve.channel import (
+    FRAME,
+    MAX_FRAME_BYTES,
+    Channel,
+    ChannelError,
+    ChannelPool,
+    RemoteError,
+    SegmentServer,
+    pack,
+)
+
+
+class Runner:
+    """A fake model replica: ``n`` chunks of one token each (all at once when not streamed)."""
+
+    def __init__(self, delay_s: float = 0.0, fail_at: int | None = None) -> None:
+        self.delay_s, self.fail_at = delay_s, fail_at
+        self.cancelled: list[int] = []
+        self.started: list[dict] = []
+
+    async def __call__(self, request: dict, stream: bool):
+        self.started.append(request)
+        n = request["n"]
+        try:
+            if not stream:
+                await asyncio.sleep(self.delay_s)
+                yield {"token_ids": list(range(n)), "finished": True, "finish_reason": "length"}
+                return
+            for i in range(n):
+                if self.fail_at == i:
+                    raise RuntimeError("engine died")
+                await asyncio.sleep(self.delay_s)
+                yield {"token_ids": [request.get("base", 0) + i], "finished": i == n - 1}
+        except asyncio.CancelledError:
+            self.cancelled.append(n)
+            raise
+
+
+async def serve(runner, **kw) -> SegmentServer:
+    server = SegmentServer(runner, host="127.0.0.1", **kw)
+    await server.start()
+    return server
+
+
+async def collect(channel: Channel, request: dict, stream: bool = True) -> list[dict]:
+    return [c async for c in channel.request(request, stream)]
+
+
+def test_chunks_arrive_in_order_streamed_or_whole():
+    async def go():
+        server = await serve(Runner())
+        channel = await Channel.connect(server.address, server.token)
+        streamed = await collect(channel, {"n": 4})
+        whole = await collect(channel, {"n": 3}, stream=False)
+        channel.close()
+        await server.close()
+        return streamed, whole
+
+    streamed, whole = asyncio.run(go())
+    assert [c["token_ids"] for c in streamed] == [[0], [1], [2], [3]] and streamed[-1]["finished"]
+    assert whole == [{"token_ids": [0, 1, 2], "finished": True, "finish_reason": "length"}]
+
+
+def test_concurrent_requests_share_one_connection_without_mixing():
+    async def go():
+        server = await serve(Runner(delay_s=0.001))
+        channel = await Channel.connect(server.address, server.token)
+        outs = await asyncio.gather(*(collect(channel, {"n": 5, "base": 100 * k}) for k in range(8)))
+        connections = server.connections
+        channel.close()
+        await server.close()
+        return outs, connections
+
+    outs, connections = asyncio.run(go())
+    assert connections == 1
+    for k, out in enumerate(outs):
+        assert [c["token_ids"][0] for c in out] == [100 * k + i for i in range(5)]
+
+
+def test_closing_a_request_early_cancels_it_on_the_replica():
+    async def go():
+        runner = Runner(delay_s=0.01)
+        server = await serve(runner)
+        channel = await Channel.connect(server.address, server.token)
+        stream = channel.request({"n": 100}, True)
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(100):
+            if runner.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        after = await collect(channel, {"n": 2})  # the connection still serves
+        channel.close()
+        await server.close()
+        return runner.cancelled, after
+
+    cancelled, after = asyncio.run(go())
+    assert cancelled == [100] and len(after) == 2
+
+
+def test_a_connection_without_the_token_is_refused():
+    async def go():
+        runner = Runner()
+        server = await serve(runner)
+        channel = await Channel.connect(server.address, "not-the-token")
+        with pytest.raises(ChannelError, match="closed by the replica"):
+            await collect(channel, {"n": 2})
+        return server.refused, runner.started
+
+    refused, started = asyncio.run(go())
+    assert refused == 1 and started == []
+
+
+def test_a_failed_request_is_reported_to_it_alone():
+    async def go():
+        server = await serve(Runner(fail_at=1))
+        channel = await Channel.connect(server.address, server.token)
+        got = []
+        with pytest.raises(RemoteError, match="RuntimeError: engine died"):
+            async for chunk in channel.request({"n": 3}, True):
+                got.append(chunk)
+        server.run = Runner()  # the replica recovers; the connection was never in question
+        after = await collect(channel, {"n": 2})
+        channel.close()
+        await server.close()
+        return got, after
+
+    got, after = asyncio.run(go())
+    assert len(got) == 1 and len(after) == 2
+
+
+def test_a_replica_that_goes_away_fails_its_open_requests_at_once():
+    async def go():
+        server = await serve(Runner(delay_s=10))
+        channel = await Channel.connect(server.address, server.token)
+        task = asyncio.create_task(collect(channel, {"n": 5}))
+        await asyncio.sleep(0.05)
+        await server.close()  # stops listening and drops the connection, as a dead process would
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ChannelError, match="ended"):
+            await task
+        took = asyncio.get_running_loop().time() - t0
+        with pytest.raises(ChannelError):
+            await collect(channel, {"n": 1})
+        return took
+
+    assert asyncio.run(go()) < 1.0
+
+
+def test_a_router_that_goes_away_has_its_requests_aborted():
+    async def go():
+        runner = Runner(delay_s=0.01)
+        server = await serve(runner)
+        channel = await Channel.connect(server.address, server.token)
+        stream = channel.request({"n": 1000}, True)
+        await stream.__anext__()
+        channel.close()  # the router's end of the connection closes
+        for _ in range(100):
+            if runner.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        await server.close()
+        return runner.cancelled
+
+    assert asyncio.run(go()) == [1000]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        FRAME.pack(MAX_FRAME_BYTES + 1),  # a frame too large to read
+        FRAME.pack(3) + b"\xc1\xc1\xc1",  # not msgpack
+        pack(["not", "a", "mapping"]),  # type: ignore[arg-type]
+        b"\x00\x00",  # a cut-off header, then the connection closes
+    ],
+)
+def test_hostile_frames_close_that_connection_only(garbage):
+    async def go():
+        server = await serve(Runner())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(pack({"op": "hello", "token": server.token}) + garbage)
+        await writer.drain()
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # the replica closed it, answering nothing
+        channel = await Channel.connect(server.address, server.token)
+        out = await collect(channel, {"n": 2})
+        channel.close()
+        await server.close()
+        return out
+
+    assert len(asyncio.run(go())) == 2
+
+
+def test_a_request_that_is_not_a_mapping_is_an_error_for_that_request():
+    async def go():
+        server = await serve(Runner())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(pack({"op": "hello", "token": server.token}) + pack({"op": "generate", "id": 7, "request": [1, 2]}))
+        (size,) = struct.unpack("!I", await reader.readexactly(4))
+        import msgspec
+
+        reply = msgspec.msgpack.decode(await reader.readexactly(size))
+        writer.close()
+        await server.close()
+        return reply
+
+    reply = asyncio.run(go())
+    assert reply["id"] == 7 and "not a mapping" in reply["error"]
+
+
+def test_the_pool_opens_one_connection_per_replica_and_reopens_a_dropped_one():
+    async def go():
+        server = await serve(Runner())
+        pool = ChannelPool()
+        a, b = await asyncio.gather(pool.get(server.address, server.token), pool.get(server.address, server.token))
+        same = a is b and len(pool) == 1
+        pool.drop(server.address, "a test")
+        assert a.closed is not None
+        c = await pool.get(server.address, server.token)
+        out = await collect(c, {"n": 1})
+        pool.close()
+        await server.close()
+        return same, c is not a, out, server.connections
+
+    same, fresh, out, connections = asyncio.run(go())
+    assert same and fresh and len(out) == 1 and connections == 2
+
+
+def test_connecting_to_nobody_is_a_channel_error():
+    async def go():
+        server = await serve(Runner())
+        address = server.address
+        await server.close()
+        with pytest.raises(ChannelError, match="cannot connect"):
+            await ChannelPool().get(address, "x")
+
+    asyncio.run(go())

@@ -1,0 +1,285 @@
+"""The direct transport end to end without Ray: real ModelServers (over a fake engine) behind fake
+Serve handles whose ``lease`` calls run the replicas' own ``lease`` method, and segments over the
+replicas' real TCP channels. Leases: one per generation and model, reused, expired, dropped on a
+failure, lost with their replica; the small deployment's timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from relay_serve.engine.base import Engine, EngineInfo
+from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.serve.backend import ServeBackend
+from relay_serve.serve.model_server import ModelServer
+
+
+class FakeEngine(Engine):
+    """Writes ``max_tokens`` tokens (7, 8, 9, ...), ``delay_s`` apart; ``fail`` makes the next request fail."""
+
+    def __init__(self, model, tokenizer=None, engine_args=None) -> None:
+        self.requests: list[SegmentRequest] = []
+        self.delay_s = 0.0
+        self.fail = False
+
+    async def generate(self, request, request_id, stream=True):
+        self.requests.append(request)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("the engine core died")
+        for i in range(request.max_tokens):
+            await asyncio.sleep(self.delay_s)
+            last = i == request.max_tokens - 1
+            yield EngineChunk(token_ids=[7 + i], finished=last, finish_reason="length" if last else None)
+
+    async def score(self, token_ids, start, top_k=2):
+        return []
+
+    def info(self):
+        return EngineInfo(model="fake", max_model_len=1024, tokenizer_fingerprint="x")
+
+    async def check_health(self):
+        pass
+
+
+class LeaseCall:
+    """What ``handle.options(method_name="lease", stream=True).remote(...)`` returns: iterates the
+    replica's ``lease`` generator; ``cancel()`` ends it as Serve's cancellation would; ``die()``
+    fails it as a dead replica's call would."""
+
+    def __init__(self, gen) -> None:
+        self.gen, self.cancelled = gen, False
+        self._stop = asyncio.Event()
+        self._error: Exception | None = None
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        try:
+            while True:
+                step = asyncio.ensure_future(self.gen.__anext__())
+                stop = asyncio.ensure_future(self._stop.wait())
+                done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:
+                    step.cancel()
+                    raise self._error or RuntimeError("RequestCancelledError")
+                stop.cancel()
+                try:
+                    yield step.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            await self.gen.aclose()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._stop.set()
+
+    def die(self) -> None:
+        self._error = RuntimeError("ActorDiedError: the replica's actor died")
+        self._stop.set()
+
+
+class FakeHandle:
+    """A model deployment of one replica (``server``); ``silent`` grants no lease (no replica)."""
+
+    def __init__(self, server: ModelServer | None) -> None:
+        self.server, self.calls = server, []
+
+    def options(self, method_name, stream=False, **kw):
+        assert method_name == "lease" and stream
+        return self
+
+    def remote(self, lease_id, ttl_s):
+        async def silent():
+            await asyncio.sleep(3600)
+            yield {}
+
+        call = LeaseCall(self.server.lease(lease_id, ttl_s) if self.server is not None else silent())
+        self.calls.append(call)
+        return call
+
+
+def replica(role: str) -> ModelServer:
+    return ModelServer(role, {"model": f"toy:{role}"}, engine_cls=FakeEngine)
+
+
+def req(model="large", session="gen-1", n=3):
+    return SegmentRequest(model=model, prompt_token_ids=[1, 2], max_tokens=n, session_id=session)
+
+
+async def run(backend: ServeBackend, request: SegmentRequest, stream: bool = False, timeout_s=None) -> list[EngineChunk]:
+    return [c async for c in backend.generate(request, stream=stream, timeout_s=timeout_s)]
+
+
+def setup(**kw):
+    large, small = replica("large"), replica("small")
+    hl, hs = FakeHandle(large), FakeHandle(small)
+    return ServeBackend(hl, hs, **kw), (large, hl), (small, hs)
+
+
+def test_a_generation_leases_each_model_once_and_sends_every_segment_to_that_replica():
+    async def go():
+        b, (large, hl), (small, hs) = setup()
+        b.prepare("gen-1", ["large", "small"])
+        outs = []
+        for model in ("large", "small", "large", "small", "large"):
+            outs.append(await run(b, req(model), stream=model == "small"))
+        held = (large.leases_held, small.leases_held, b.stats())
+        b.release("gen-1")
+        return outs, held, len(hl.calls), len(hs.calls), len(large.engine.requests), len(small.engine.requests)
+
+    outs, held, lease_calls_l, lease_calls_s, reqs_l, reqs_s = asyncio.run(go())
+    assert [o[-1].token_ids for o in outs] == [[7, 8, 9], [9], [7, 8, 9], [9], [7, 8, 9]]  # whole, or streamed
+    assert all(o[-1].finished and o[-1].replica_id == "local" for o in outs)
+    assert (lease_calls_l, lease_calls_s, reqs_l, reqs_s) == (1, 1, 3, 2)
+    assert held[:2] == (1, 1) and held[2]["leases"] == 2 and held[2]["channels"] == 2
+
+
+def test_released_leases_serve_the_next_generation_then_go_back_to_serve_when_idle():
+    async def go():
+        b, (large, hl), _ = setup(lease_idle_s=0.05)
+        await run(b, req(session="gen-1"))
+        b.release("gen-1")
+        idle = b.stats()["idle_leases"]
+        await run(b, req(session="gen-2"))  # takes the idle lease: no Serve call
+        calls_after_reuse = len(hl.calls)
+        b.release("gen-2")
+        await asyncio.sleep(0.15)
+        await asyncio.sleep(0)
+        return idle, calls_after_reuse, hl.calls[0].cancelled, b.stats(), large.leases_held
+
+    idle, calls, cancelled, stats, held = asyncio.run(go())
+    assert idle == 1 and calls == 1
+    assert cancelled and stats["idle_leases"] == 0 and stats["leases"] == 0 and held == 0
+
+
+def test_a_lease_past_its_max_age_is_given_back_not_reused():
+    async def go():
+        b, (_, hl), _ = setup(lease_max_age_s=0.02)
+        await run(b, req(session="gen-1"))
+        await asyncio.sleep(0.05)
+        b.release("gen-1")
+        await run(b, req(session="gen-2"))
+        return len(hl.calls), hl.calls[0].cancelled
+
+    assert asyncio.run(go()) == (2, True)
+
+
+def test_a_failed_segment_gives_its_lease_back_and_the_retry_takes_a_new_one():
+    async def go():
+        b, (large, hl), _ = setup()
+        await run(b, req())
+        large.engine.fail = True
+        with pytest.raises(EngineError, match="RemoteError: replica local: RuntimeError: the engine core died"):
+            await run(b, req())
+        first_cancelled = hl.calls[0].cancelled
+        out = await run(b, req())
+        return first_cancelled, len(hl.calls), out, b.in_flight
+
+    first_cancelled, calls, out, in_flight = asyncio.run(go())
+    assert first_cancelled and calls == 2 and out[-1].finished and in_flight == {"large": 0, "small": 0}
+
+
+def test_a_lost_lease_fails_the_segments_under_way_on_its_replica_at_once():
+    async def go():
+        b, (large, hl), _ = setup()
+        large.engine.delay_s = 0.5
+        task = asyncio.create_task(run(b, req(n=100), stream=True))
+        await asyncio.sleep(0.1)
+        t0 = asyncio.get_running_loop().time()
+        hl.calls[0].die()  # Serve reports the replica dead; its connection may linger (a lost node)
+        with pytest.raises(EngineError, match="ended"):
+            await task
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(go()) < 0.3
+
+
+def test_without_affinity_every_segment_takes_a_lease_of_its_own():
+    async def go():
+        b, (_, hl), _ = setup(affinity=False)
+        b.prepare("gen-1", ["large"])  # no prefetch either
+        before = len(hl.calls)
+        for _ in range(3):
+            await run(b, req())
+        await asyncio.sleep(0)
+        return before, len(hl.calls), all(c.cancelled for c in hl.calls), b.stats()
+
+    before, calls, all_given_back, stats = asyncio.run(go())
+    assert before == 0 and calls == 3 and all_given_back and stats["leases"] == 0 and stats["idle_leases"] == 0
+
+
+def test_a_small_deployment_without_a_replica_times_out_and_is_left_alone():
+    async def go():
+        large = replica("large")
+        hs = FakeHandle(None)
+        b = ServeBackend(FakeHandle(large), hs, small_retry_after_s=60)
+        b.prepare("gen-1", ["large", "small"])
+        with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
+            await run(b, req("small"), timeout_s=0.05)
+        cancelled = hs.calls[0].cancelled
+        refusal = b.small_refusal()
+        b.prepare("gen-2", ["large", "small"])  # while the small deployment is down: no lease asked
+        return cancelled, refusal, len(hs.calls), b.in_flight
+
+    cancelled, refusal, calls, in_flight = asyncio.run(go())
+    assert cancelled and "did not answer" in refusal and calls == 1 and in_flight["small"] == 0
+
+
+def test_the_replica_counts_its_leases_and_reports_its_channel():
+    async def go():
+        b, (large, _), _ = setup()
+        await run(b, req())
+        info = await large.info()
+        b.release("gen-1")
+        b.transport.idle["large"][0].release()
+        await asyncio.sleep(0.01)
+        return info, large.leases_held
+
+    info, held_after = asyncio.run(go())
+    assert info["leases_held"] == 1 and info["channel"].startswith("127.0.0.1:") and held_after == 0
+
+
+def test_unknown_transports_are_refused():
+    with pytest.raises(ValueError, match="unknown transport 'grpc'"):
+        ServeBackend(None, None, transport="grpc")
+
+
+def test_a_lease_on_a_replica_taken_out_of_rotation_moves_at_the_next_segment():
+    async def go():
+        rotation = {"local": True}
+        large, small = replica("large"), replica("small")
+        hl = FakeHandle(large)
+        b = ServeBackend(hl, FakeHandle(small), in_rotation=lambda model, rid: rotation[rid])
+        await run(b, req(session="gen-1"))
+        rotation["local"] = False  # Serve stops routing to the replica (it drains for a downscale)
+        out = await run(b, req(session="gen-1"))  # the generation goes on, on a new lease
+        moved = (len(hl.calls), hl.calls[0].cancelled, out[-1].finished)
+        b.release("gen-1")
+        return moved, b.stats()["idle_leases"]
+
+    (calls, first_given_back, finished), idle = asyncio.run(go())
+    assert calls == 2 and first_given_back and finished
+    assert idle == 0  # a lease out of rotation is not kept for reuse either
+
+
+def test_rotation_follows_the_routers_of_this_process():
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    from relay_serve.serve import affinity_registry
+
+    class Router:
+        def __init__(self, app, name, ids):
+            self.curr_replicas = {ReplicaID(unique_id=i, deployment_id=DeploymentID(name=name, app_name=app)): None for i in ids}
+
+    routers = [Router("relay", "large", ["a", "b"]), Router("relay", "small", ["c"]), Router("other", "large", ["z"])]
+    for r in routers:
+        affinity_registry.register(r)
+    running = affinity_registry.replica_running
+    assert running("relay", "large", "a") and running("relay", "small", "c")
+    assert not running("relay", "large", "c") and not running("relay", "large", "z")  # not in that deployment's rotation
+    assert running("unfollowed", "large", "q")  # no router here follows it: nothing to say otherwise
