@@ -191,6 +191,9 @@ def bench_cmd(
         4, "--small-queue-bound", min=0, help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)"
     ),
     replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the relay schedules on the speed pair"),
+    compare_transports: bool = typer.Option(
+        True, "--compare-transports/--no-compare-transports", help="also run relay with router.transport: handle"
+    ),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -207,11 +210,17 @@ def bench_cmd(
             raise ValueError
     except ValueError:
         raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8,32", param_hint="--concurrency") from None
-    s = BenchSettings(concurrency=levels, requests_per_level=requests, small_queue_bound=small_queue_bound or None)
+    s = BenchSettings(
+        concurrency=levels,
+        requests_per_level=requests,
+        small_queue_bound=small_queue_bound or None,
+        compare_transports=compare_transports,
+    )
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
     report = run_bench(s, folder, replay=replay, progress=not as_json)
     if as_json:
-        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], "overload": report.get("overload"), "replay": report.get("replay")}))
+        keys = ("overload", "transports", "replay")
+        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], **{k: report.get(k) for k in keys}}))
     else:
         typer.echo((folder / "bench.md").read_text())
         typer.echo(f"written to {folder}")

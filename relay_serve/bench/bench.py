@@ -32,6 +32,9 @@ class BenchSettings(PaperSampling):
     small_queue_bound: int | None = Field(
         4, ge=1, description="also run relay at the top concurrency with router.max_small_in_flight set to this (None: skip)"
     )
+    compare_transports: bool = Field(
+        True, description="also run relay at the lowest two concurrencies with router.transport: handle"
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -82,6 +85,24 @@ def level_metrics(results: list[dict], wall_s: float) -> dict[str, Any]:
         "router_overhead_per_request_ms_p50": round(1000 * pct(per_request_overhead, 0.5), 3),
         "degraded_requests": sum(1 for u in relay if u.get("degraded")),
         "kept_on_large_per_request": round(statistics.fmean(u.get("kept_on_large", 0) for u in relay), 3),
+    }
+
+
+def latency_split(relay_results: list[dict], c_large: float, c_small: float) -> dict[str, float]:
+    """Where a relay request's time went, in ms (means over the requests): inside the engine
+    replicas, in the router outside them, outside the router's session (HTTP, the proxy); and
+    the ideal (each token at its model's measured per-token cost)."""
+    n = len(relay_results)
+    engine = sum(r["usage"]["relay"]["engine_s"] for r in relay_results) / n
+    session = sum(r["usage"]["relay"]["wall_s"] for r in relay_results) / n
+    latency = sum(r["_latency_s"] for r in relay_results) / n
+    ideal = sum(r["usage"]["relay"]["large_tokens"] * c_large + r["usage"]["relay"]["small_tokens"] * c_small for r in relay_results) / n
+    return {
+        "latency_ms": round(1000 * latency, 1),
+        "engine_ms": round(1000 * engine, 1),
+        "router_ms": round(1000 * (session - engine), 1),
+        "outside_router_ms": round(1000 * (latency - session), 1),
+        "ideal_ms": round(1000 * ideal, 1),
     }
 
 
@@ -162,6 +183,22 @@ def run_overload(base: str, s: BenchSettings, unbounded: dict[str, Any]) -> dict
     return {"bound": s.small_queue_bound, "concurrency": c, "unbounded": unbounded, "bounded": level_metrics(results, wall)}
 
 
+def run_transports(base: str, s: BenchSettings, direct: dict[int, dict]) -> dict[str, Any]:
+    """relay at the lowest two concurrencies on an app whose segments are Ray Serve handle
+    calls (``router.transport: handle``), beside the same runs over the direct channel."""
+    from relay_serve.toy.world import ToyWorld
+
+    levels = sorted(s.concurrency)[:2]
+    n_max = max(max(levels), s.requests_per_level)
+    prompts = [p.prompt for p in ToyWorld().sample_heldout(n_max, seed=s.seed)]
+    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up
+    handle = {}
+    for c in levels:
+        results, wall = asyncio.run(_fire(base, _bodies(s, "relay", prompts, max(c, s.requests_per_level)), c))
+        handle[c] = level_metrics(results, wall)
+    return {"levels": levels, "direct": {c: direct[c] for c in levels}, "handle": handle}
+
+
 def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progress: bool = True) -> dict[str, Any]:
     """The recorded relay schedules on the speed pair: relay against large-only and small-only
     replays of the same token counts."""
@@ -199,6 +236,7 @@ def run_replay(base: str, s: BenchSettings, schedules: list[list[dict]], progres
             "ideal": round(ideal, 3),
             "achieved": round(achieved, 3),
             "achieved_over_ideal": round(achieved / ideal, 3),
+            "relay_latency_split": latency_split(res["relay"][0], c_large, c_small),
         }
         out["levels"][c] = level
     bar.close()
@@ -239,6 +277,22 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{m.get('kept_on_large_per_request', 0)} | {m['degraded_requests']} |"
             )
         lines.append("")
+    if report.get("transports"):
+        t = report["transports"]
+        lines += [
+            "Relay by transport (segments over the leased replica's channel, or a Ray Serve handle call each):",
+            "",
+            "| transport | concurrency | p50 latency (s) | output tok/s | router overhead/switch p50 (ms) | router overhead/request p50 (ms) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in ("direct", "handle"):
+            for c in t["levels"]:
+                m = t[name][c] if c in t[name] else t[name][str(c)]
+                lines.append(
+                    f"| {name} | {c} | {m['latency_p50_s']} | {m['output_tokens_per_s']} | "
+                    f"{m['router_overhead_per_switch_ms_p50']} | {m['router_overhead_per_request_ms_p50']} |"
+                )
+        lines.append("")
     if report.get("replay"):
         lines += [
             "Speed pair (random weights), replaying the relay's recorded segment schedules:",
@@ -246,12 +300,26 @@ def markdown(report: dict[str, Any]) -> str:
             "| concurrency | large ms/token | small ms/token | ideal speedup | achieved speedup | achieved / ideal | router overhead/switch p50 (ms) |",
             "|---|---|---|---|---|---|---|",
         ]
-        for c, level in sorted(report["replay"]["levels"].items(), key=lambda kv: int(kv[0])):
+        levels = sorted(report["replay"]["levels"].items(), key=lambda kv: int(kv[0]))
+        for c, level in levels:
             sp = level["speedup"]
             lines.append(
                 f"| {c} | {sp['per_token_cost_ms']['large']} | {sp['per_token_cost_ms']['small']} | {sp['ideal']} | "
                 f"{sp['achieved']} | {sp['achieved_over_ideal']} | {level['relay']['router_overhead_per_switch_ms_p50']} |"
             )
+        if all("relay_latency_split" in level["speedup"] for _, level in levels):
+            lines += [
+                "",
+                "Where a relay request's time went on the speed pair (ms, mean a request): inside the engine replicas, in the "
+                "router outside them, outside the router (HTTP and the proxy), against the ideal (each token at its model's "
+                "per-token cost):",
+                "",
+                "| concurrency | latency | engine | router | outside the router | ideal |",
+                "|---|---|---|---|---|---|",
+            ]
+            for c, level in levels:
+                x = level["speedup"]["relay_latency_split"]
+                lines.append(f"| {c} | {x['latency_ms']} | {x['engine_ms']} | {x['router_ms']} | {x['outside_router_ms']} | {x['ideal_ms']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -299,6 +367,29 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
     paths.append(out / "speedup.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+
+    splits = [
+        (c, level["speedup"]["relay_latency_split"])
+        for c, level in sorted(report.get("replay", {}).get("levels", {}).items(), key=lambda kv: int(kv[0]))
+        if "relay_latency_split" in level["speedup"]
+    ]
+    if splits:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        x = list(range(len(splits)))
+        bottom = [0.0] * len(splits)
+        for key, label in (("engine_ms", "inside the engines"), ("router_ms", "router"), ("outside_router_ms", "outside the router")):
+            values = [sp[key] for _, sp in splits]
+            ax.bar(x, values, bottom=bottom, width=0.5, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.scatter(x, [sp["ideal_ms"] for _, sp in splits], marker="_", s=2000, color="black", label="ideal", zorder=3)
+        ax.set_xticks(x, [f"c={c}" for c, _ in splits])
+        ax.set_ylabel("ms per relay request (mean)")
+        ax.set_title("where relay time goes, speed pair")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "relay_time_split.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 
@@ -327,6 +418,12 @@ def run_bench(s: BenchSettings, out: Path, replay: bool = True, progress: bool =
         cfg.router.max_small_in_flight = s.small_queue_bound
         base = start(cfg, port=port)
         report["overload"] = run_overload(base, s, report["trained"]["levels"]["relay"][max(s.concurrency)])
+        serve.delete("relay")
+    if s.compare_transports:
+        cfg = AppConfig()
+        cfg.router.transport = "handle"
+        base = start(cfg, port=port)
+        report["transports"] = run_transports(base, s, report["trained"]["levels"]["relay"])
         serve.delete("relay")
     if replay:
         from relay_serve.toy.speed_pair import ensure_speed_pair

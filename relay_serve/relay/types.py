@@ -81,6 +81,10 @@ class Backend(ABC):
     def release(self, session_id: str) -> None:
         """The generation ended: forget it (give back what ``prepare`` or its requests took)."""
 
+    def stats(self) -> dict[str, int]:
+        """Counts for ``/v1/relay/stats`` (sessions pinned to replicas, leases, connections)."""
+        return {}
+
 
 class TextCodec(Protocol):
     """The tokenizer both models share (the relay hands token ids over)."""

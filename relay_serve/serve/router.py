@@ -169,7 +169,7 @@ class RelayRouter:
         import psutil
 
         segments = getattr(self.backend, "in_flight", None)
-        held = self.backend.stats() if hasattr(self.backend, "stats") else {}
+        held = self.backend.stats()
         return {
             "in_flight": self.in_flight,
             "affinity_sessions": held.get("affinity_sessions", 0),

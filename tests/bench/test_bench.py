@@ -8,7 +8,7 @@ import math
 import httpx
 import pytest
 
-from relay_serve.bench.bench import ideal_speedup, level_metrics, markdown, pct, per_token_cost, plots
+from relay_serve.bench.bench import ideal_speedup, latency_split, level_metrics, markdown, pct, per_token_cost, plots
 
 
 def result(latency: float, large: int, small: int, switches: int, wall: float, engine: float, cached: int = 0) -> dict:
@@ -46,6 +46,12 @@ def test_ideal_speedup():
     assert per_token_cost([result(2.0, 100, 0, 0, 2, 2)]) == pytest.approx(0.02)
 
 
+def test_latency_split():
+    relay = [result(1.0, 50, 50, 4, wall=0.9, engine=0.8), result(2.0, 100, 0, 0, wall=1.9, engine=1.85)]
+    x = latency_split(relay, c_large=0.010, c_small=0.001)
+    assert x == {"latency_ms": 1500.0, "engine_ms": 1325.0, "router_ms": 75.0, "outside_router_ms": 100.0, "ideal_ms": 775.0}
+
+
 def test_report_files(tmp_path):
     level = level_metrics([result(1.0, 30, 10, 2, 1.0, 0.99)], 1.0)
     relay = {**level, "achieved_speedup": 1.1, "ideal_speedup": 1.2}
@@ -53,15 +59,19 @@ def test_report_files(tmp_path):
         "started": "2026-12-03 12:00",
         "machine": "x86_64, 2 CPUs",
         "trained": {"levels": {"large": {1: level}, "relay": {1: relay}}, "per_token_cost_ms": {"large": 4.0, "small": 2.0}},
-        "replay": {"levels": {1: {"relay": level, "speedup": {"per_token_cost_ms": {"large": 9.0, "small": 1.0}, "ideal": 1.3, "achieved": 1.25, "achieved_over_ideal": 0.962}}}},
+        "replay": {"levels": {1: {"relay": level, "speedup": {"per_token_cost_ms": {"large": 9.0, "small": 1.0}, "ideal": 1.3, "achieved": 1.25, "achieved_over_ideal": 0.962,
+                                                                "relay_latency_split": {"latency_ms": 900.0, "engine_ms": 850.0, "router_ms": 5.0, "outside_router_ms": 45.0, "ideal_ms": 800.0}}}}},
+        "transports": {"levels": [1], "direct": {1: level}, "handle": {"1": {**level, "router_overhead_per_switch_ms_p50": 9.5}}},
     }
     bounded = {**level, "kept_on_large_per_request": 1.5, "degraded_requests": 1}
     report["overload"] = {"bound": 4, "concurrency": 1, "unbounded": relay, "bounded": bounded}
     md = markdown(report)
     assert "| relay | 1 |" in md and "1.1 / 1.2" in md and "0.962" in md
     assert "a bound of 4 small-model segments" in md and "| 4 | 1.0 | 1.0 | 40.0 | 0.25 | 1.5 | 1 |" in md
+    assert "| direct | 1 | 1.0 | 40.0 | 5.0 | 10.0 |" in md and "| handle | 1 | 1.0 | 40.0 | 9.5 | 10.0 |" in md
+    assert "| 1 | 900.0 | 850.0 | 5.0 | 45.0 | 800.0 |" in md
     paths = plots(report, tmp_path)
-    assert [p.name for p in paths] == ["latency.png", "speedup.png"]
+    assert [p.name for p in paths] == ["latency.png", "speedup.png", "relay_time_split.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
 
