@@ -185,8 +185,8 @@ class DirectTransport:
         idle = self.idle[model]
         while idle:
             lease = idle.pop()  # the most recently used
+            lease.idle_since = None  # no longer idle: its expiry timer does nothing
             if self._reusable(lease):
-                lease.idle_since = None
                 return lease
             lease.release()
         return None

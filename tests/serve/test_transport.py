@@ -283,3 +283,19 @@ def test_rotation_follows_the_routers_of_this_process():
     assert running("relay", "large", "a") and running("relay", "small", "c")
     assert not running("relay", "large", "c") and not running("relay", "large", "z")  # not in that deployment's rotation
     assert running("unfollowed", "large", "q")  # no router here follows it: nothing to say otherwise
+
+
+def test_an_idle_lease_that_cannot_be_reused_is_given_back_once(caplog):
+    async def go():
+        rotation = {"local": True}
+        b, (large, hl), _ = setup(lease_idle_s=0.05)
+        b.transport.in_rotation = lambda model, rid: rotation[rid]
+        await run(b, req(session="gen-1"))
+        b.release("gen-1")
+        rotation["local"] = False  # while idle, its replica leaves rotation
+        await run(b, req(session="gen-2"))  # passes over it, takes a new one
+        await asyncio.sleep(0.1)  # the old lease's expiry timer fires: nothing left to do
+        return len(hl.calls), hl.calls[0].cancelled
+
+    assert asyncio.run(go()) == (2, True)
+    assert "ValueError" not in caplog.text  # the expiry timer of a lease taken out of the pool
