@@ -235,7 +235,8 @@ def soak_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the report as one JSON line"),
 ) -> None:
     """A bounded soak: CLIENTS clients for DURATION seconds, then the router's in-flight count and
-    affinity map must be back to where they started, with no failed request. Exits 1 otherwise."""
+    sessions pinned to replicas (leases, or the affinity map) must be back to where they started, with
+    no failed request. Exits 1 otherwise."""
     from relay_serve.bench.soak import SoakSettings, run_soak
     from relay_serve.eval.runner import service
 
@@ -249,7 +250,7 @@ def soak_cmd(
         typer.echo(
             f"{report['requests']} requests in {report['wall_s']} s ({report['requests_per_s']}/s), {report['errors']} failed; "
             f"latency p50 {report['latency_p50_s']} s, p99 {report['latency_p99_s']} s\n"
-            f"router affinity sessions before/peak/end/after: {aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
+            f"router sessions pinned to replicas before/peak/end/after: {aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
             f"RSS MiB before/peak/end/after: {rss['before']}/{rss['peak']}/{rss['end']}/{rss['after']}; "
             "Python memory blocks before/peak/end/after: {before}/{peak}/{end}/{after}".format(**report["router_python_blocks"])
         )

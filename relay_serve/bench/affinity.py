@@ -1,7 +1,8 @@
 """Session affinity, measured: with 2 replicas of each model and N concurrent relay requests, the
 share of segment requests (after a generation's first on that model) that land on the replica that
-served the generation's previous segment, and the cached-prompt-token ratio; against Ray Serve's
-default router in the same run.
+served the generation's previous segment, and the cached-prompt-token ratio; against the same app
+without affinity (Serve places every segment: a lease a segment with the direct transport, the
+default request router with the handle transport) in the same run.
 
     python -m relay_serve.bench.affinity [--requests 16] [--replicas 2] [--json]
 """
@@ -68,7 +69,7 @@ def measure(affinity: bool, requests: int, replicas: int, port: int) -> dict:
     asyncio.run(_fire(url, prompts[:2]))  # warm up
     t1 = time.time()
     bodies = asyncio.run(_fire(url, prompts))
-    out = {"router": "session-affinity" if affinity else "ray-serve-default", "startup_s": round(startup, 1)}
+    out = {"router": "session-affinity" if affinity else "serve-places-each-segment", "startup_s": round(startup, 1)}
     out.update(affinity_figures(bodies))
     out["wall_s"] = round(time.time() - t1, 2)
     serve.delete(cfg.name)

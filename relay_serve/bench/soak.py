@@ -2,7 +2,8 @@
 requests, some of every other mode), then the router's state is compared with its state before.
 
 Pass: no request failed, and once the clients stop, the router has nothing in flight and its
-session-affinity map is back to its size before the run. "Before" follows a warm-up at full load
+count of sessions pinned to replicas (generations holding leases, or the affinity map of the handle
+transport) is back to where it was before the run. "Before" follows a warm-up at full load
 (a quarter of the duration, at most 20 s). The router's resident memory before, at its peak, at
 the end and after is reported, with the number of memory blocks Python has allocated (which a
 leak of Python objects grows); Python rarely hands freed memory back to the OS, so RSS is a
