@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend, EngineChunk, ModelRole, SegmentRequest
@@ -34,7 +34,7 @@ class ServeBackend(Backend):
         lease_ttl_s: float = 660.0,
         lease_idle_s: float = 2.0,
         lease_max_age_s: float = 30.0,
-        in_rotation=None,
+        in_rotation: Callable[[ModelRole, str], bool] | None = None,
     ) -> None:
         handles = {"large": large, "small": small}
         if transport == "direct":
