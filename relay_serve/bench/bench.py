@@ -135,15 +135,21 @@ def _bodies(s: BenchSettings, mode: str, prompts: list[str], n: int) -> list[dic
     ]
 
 
+def _warmed_up_prompts(base: str, s: BenchSettings, n: int) -> list[str]:
+    """``n`` held-out toy prompts (the same for every mode), after a few relay requests have
+    warmed up both engines."""
+    from relay_serve.toy.world import ToyWorld
+
+    prompts = [p.prompt for p in ToyWorld().sample_heldout(n, seed=s.seed)]
+    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))
+    return prompts
+
+
 def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str, Any]:
     """Every mode at every concurrency on the trained toy pair."""
     from tqdm import tqdm
 
-    from relay_serve.toy.world import ToyWorld
-
-    n_max = max(max(s.concurrency), s.requests_per_level)
-    prompts = [p.prompt for p in ToyWorld().sample_heldout(n_max, seed=s.seed)]
-    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up both engines
+    prompts = _warmed_up_prompts(base, s, max(max(s.concurrency), s.requests_per_level))
     levels: dict[str, dict[int, dict]] = {m: {} for m in MODES}
     raw: dict[tuple[str, int], list[dict]] = {}
     bar = tqdm(total=len(MODES) * len(s.concurrency), desc="bench", disable=not progress)
@@ -173,12 +179,9 @@ def run_trained(base: str, s: BenchSettings, progress: bool = True) -> dict[str,
 def run_overload(base: str, s: BenchSettings, unbounded: dict[str, Any]) -> dict[str, Any]:
     """relay at the top concurrency on an app whose router keeps handoffs on the large model past
     ``small_queue_bound`` small-model segments in flight, beside the same run without a bound."""
-    from relay_serve.toy.world import ToyWorld
-
     c = max(s.concurrency)
     n = max(c, s.requests_per_level)
-    prompts = [p.prompt for p in ToyWorld().sample_heldout(n, seed=s.seed)]
-    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up
+    prompts = _warmed_up_prompts(base, s, n)
     results, wall = asyncio.run(_fire(base, _bodies(s, "relay", prompts, n), c))
     return {"bound": s.small_queue_bound, "concurrency": c, "unbounded": unbounded, "bounded": level_metrics(results, wall)}
 
@@ -186,12 +189,8 @@ def run_overload(base: str, s: BenchSettings, unbounded: dict[str, Any]) -> dict
 def run_transports(base: str, s: BenchSettings, direct: dict[int, dict]) -> dict[str, Any]:
     """relay at the lowest two concurrencies on an app whose segments are Ray Serve handle
     calls (``router.transport: handle``), beside the same runs over the direct channel."""
-    from relay_serve.toy.world import ToyWorld
-
     levels = sorted(s.concurrency)[:2]
-    n_max = max(max(levels), s.requests_per_level)
-    prompts = [p.prompt for p in ToyWorld().sample_heldout(n_max, seed=s.seed)]
-    asyncio.run(_fire(base, _bodies(s, "relay", prompts, 4), 4))  # warm up
+    prompts = _warmed_up_prompts(base, s, max(max(levels), s.requests_per_level))
     handle = {}
     for c in levels:
         results, wall = asyncio.run(_fire(base, _bodies(s, "relay", prompts, max(c, s.requests_per_level)), c))

@@ -57,6 +57,15 @@ async def collect(channel: Channel, request: dict, stream: bool = True) -> list[
     return [c async for c in channel.request(request, stream)]
 
 
+async def cancelled_soon(runner: Runner, within_s: float = 1.0) -> list[int]:
+    """What the replica cancelled, once it cancelled something (or ``within_s`` passed)."""
+    for _ in range(int(within_s / 0.01)):
+        if runner.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    return runner.cancelled
+
+
 def test_chunks_arrive_in_order_streamed_or_whole():
     async def go():
         server = await serve(Runner())
@@ -96,14 +105,11 @@ def test_closing_a_request_early_cancels_it_on_the_replica():
         stream = channel.request({"n": 100}, True)
         await stream.__anext__()
         await stream.aclose()
-        for _ in range(100):
-            if runner.cancelled:
-                break
-            await asyncio.sleep(0.01)
+        cancelled = await cancelled_soon(runner)
         after = await collect(channel, {"n": 2})  # the connection still serves
         channel.close()
         await server.close()
-        return runner.cancelled, after
+        return cancelled, after
 
     cancelled, after = asyncio.run(go())
     assert cancelled == [100] and len(after) == 2
@@ -166,12 +172,9 @@ def test_a_router_that_goes_away_has_its_requests_aborted():
         stream = channel.request({"n": 1000}, True)
         await stream.__anext__()
         channel.close()  # the router's end of the connection closes
-        for _ in range(100):
-            if runner.cancelled:
-                break
-            await asyncio.sleep(0.01)
+        cancelled = await cancelled_soon(runner)
         await server.close()
-        return runner.cancelled
+        return cancelled
 
     assert asyncio.run(go()) == [1000]
 

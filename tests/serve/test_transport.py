@@ -256,9 +256,7 @@ def test_unknown_transports_are_refused():
 def test_a_lease_on_a_replica_taken_out_of_rotation_moves_at_the_next_segment():
     async def go():
         rotation = {"local": True}
-        large, small = replica("large"), replica("small")
-        hl = FakeHandle(large)
-        b = ServeBackend(hl, FakeHandle(small), in_rotation=lambda model, rid: rotation[rid])
+        b, (_, hl), _ = setup(in_rotation=lambda model, rid: rotation[rid])
         await run(b, req(session="gen-1"))
         rotation["local"] = False  # Serve stops routing to the replica (it drains for a downscale)
         out = await run(b, req(session="gen-1"))  # the generation goes on, on a new lease
@@ -292,8 +290,7 @@ def test_rotation_follows_the_routers_of_this_process():
 def test_an_idle_lease_that_cannot_be_reused_is_given_back_once(caplog):
     async def go():
         rotation = {"local": True}
-        b, (large, hl), _ = setup(lease_idle_s=0.05)
-        b.transport.in_rotation = lambda model, rid: rotation[rid]
+        b, (_, hl), _ = setup(lease_idle_s=0.05, in_rotation=lambda model, rid: rotation[rid])
         await run(b, req(session="gen-1"))
         b.release("gen-1")
         rotation["local"] = False  # while idle, its replica leaves rotation
