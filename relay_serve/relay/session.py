@@ -221,6 +221,8 @@ class Session:
                 output_tokens=len(got),
                 committed=commit,
                 engine_s=last.engine_s,
+                ttft_s=last.ttft_s,
+                decode_s=last.decode_s,
                 wall_s=time.perf_counter() - t0,
             )
         )

@@ -55,6 +55,8 @@ class EngineChunk(BaseModel):
     cached_tokens: int = Field(default=0, description="prompt tokens served from the prefix cache")
     replica_id: str | None = None
     engine_s: float | None = Field(default=None, description="seconds the request spent inside the replica")
+    ttft_s: float | None = Field(default=None, description="seconds from the engine's receipt of the request to its first token")
+    decode_s: float | None = Field(default=None, description="seconds from the first token to the last, inside the engine")
 
 
 class Backend(ABC):
@@ -115,6 +117,8 @@ class EngineRequestRecord(BaseModel):
     output_tokens: int
     committed: bool = Field(description="false for a rejected draft")
     engine_s: float | None = Field(None, description="seconds inside the replica")
+    ttft_s: float | None = Field(None, description="seconds from the engine's receipt to the first token (queue and prefill)")
+    decode_s: float | None = Field(None, description="seconds from the first token to the last (output_tokens - 1 steps)")
     wall_s: float = Field(0.0, description="seconds from the router's call to the last chunk")
 
 

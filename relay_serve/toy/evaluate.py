@@ -12,7 +12,6 @@ from pydantic import BaseModel
 
 from relay_serve.toy.world import THINK_CLOSE, ToyWorld
 
-MODELS_DIR = Path(__file__).parent / "models"
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 TOY_ENGINE_ARGS = {"max_model_len": 1024, "enforce_eager": True, "dtype": "float32", "max_num_seqs": 256, "block_size": 32}
 
@@ -42,16 +41,26 @@ def grade(text: str, answer: str) -> tuple[bool, bool]:
     return m is not None, m is not None and m.group(1).strip() == answer
 
 
+def model_path(name: str, models_dir: Path | None = None) -> str:
+    """A toy model's folder: ``name`` in ``models_dir``, else the package's (``large-wide`` is
+    generated on first use)."""
+    if models_dir is not None:
+        return str(models_dir / name)
+    from relay_serve.config import resolve_model
+
+    return resolve_model(f"toy:{name}")
+
+
 def _engine(name: str, models_dir: Path | None):
     from relay_serve.engine.vllm_engine import OfflineEngine
 
-    return OfflineEngine(str((models_dir or MODELS_DIR) / name), TOY_ENGINE_ARGS)
+    return OfflineEngine(model_path(name, models_dir), TOY_ENGINE_ARGS)
 
 
 def _prompts(world: ToyWorld, n: int, seed: int, models_dir: Path | None):
     from relay_serve.tokenizer import load_codec
 
-    codec = load_codec(str((models_dir or MODELS_DIR) / "large"))
+    codec = load_codec(model_path("large", models_dir))
     problems = world.sample_heldout(n, seed=seed)
     ids = [codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}])) for p in problems]
     return codec, problems, ids
@@ -111,12 +120,16 @@ def cue_margins(n: int = 200, seed: int = 0, models_dir: Path | None = None, tem
     }
 
 
-def decode_speed(name: str, batch: int, tokens: int = 128, models_dir: Path | None = None, engine=None) -> float:
-    """Seconds per decode step (per token of one sequence) at a batch size, EOS ignored."""
+def decode_speed(name: str, batch: int, tokens: int = 128, models_dir: Path | None = None, engine=None, repeats: int = 3) -> float:
+    """Seconds per decode step (per token of one sequence) at a batch size, EOS ignored: the median
+    of ``repeats`` timed runs after a warm-up."""
     world = ToyWorld()
     _, _, prompts = _prompts(world, batch, 0, models_dir)
     engine = engine or _engine(name, models_dir)
     engine.generate(prompts[:1], max_tokens=8, ignore_eos=True)  # warm up
-    t0 = time.time()
-    engine.generate(prompts, max_tokens=tokens, ignore_eos=True)
-    return (time.time() - t0) / tokens
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.generate(prompts, max_tokens=tokens, ignore_eos=True)
+        times.append((time.perf_counter() - t0) / tokens)
+    return statistics.median(times)

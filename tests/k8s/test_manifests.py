@@ -134,6 +134,13 @@ def test_toy_config_is_the_embedded_default():
     assert toy.model_dump(exclude={"cues"}) == AppConfig().model_dump(exclude={"cues"})
 
 
+def test_toy_wide_config_is_the_default_with_the_wide_large_model():
+    wide = AppConfig.from_yaml(ROOT / "configs" / "toy-wide-cpu.yaml")
+    assert wide.large.model == "toy:large-wide"
+    same = {"cues": True, "large": {"model"}}
+    assert wide.model_dump(exclude=same) == AppConfig().model_dump(exclude=same)
+
+
 def _groups(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cluster = spec.get("rayClusterConfig") or spec["rayClusterSpec"]
     return {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
