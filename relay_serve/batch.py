@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from relay_serve.client import SAMPLING_FIELDS, chat_body
+
 if TYPE_CHECKING:
     from relay_serve.config import AppConfig
 
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 RESULT_PREFIX = "part-"
 ERRORS_FILE = "errors.jsonl"
 SUMMARY_FILE = "_summary.json"
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 class BatchSettings(BaseModel):
@@ -151,15 +152,10 @@ def count_rows(path: str) -> int | None:
 
 
 def request_body(row: BatchRow, s: BatchSettings) -> dict[str, Any]:
-    messages = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
-    body: dict[str, Any] = {"model": s.mode, "messages": messages}
-    for name in SAMPLING_FIELDS:
-        value = getattr(row, name)
-        if value is None:
-            value = getattr(s, name, None)
-        if value is not None:
-            body[name] = value
-    return body
+    fields = {name: getattr(row, name) if getattr(row, name) is not None else getattr(s, name, None) for name in SAMPLING_FIELDS}
+    if row.messages is not None:
+        return chat_body(s.mode, messages=row.messages, **fields)
+    return chat_body(s.mode, row.prompt, **fields)
 
 
 # ---- writing -------------------------------------------------------------------------------------

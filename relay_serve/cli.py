@@ -203,42 +203,61 @@ def eval_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
-    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode and level"),
-    small_queue_bound: int = typer.Option(
-        4, "--small-queue-bound", min=0, help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)"
+    concurrency: str = typer.Option("1,8", "--concurrency", help="comma-separated concurrency levels"),
+    requests: int = typer.Option(24, "--requests", min=1, help="requests per mode, level and round"),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="every mode at every level once a round, in a rotating order"),
+    dataset: str = typer.Option("toy", "--dataset", help="the prompts, graded for pass@1: toy, math500, gsm8k or jsonl:PATH"),
+    config: Optional[Path] = typer.Option(
+        None, "--config", exists=True, dir_okay=False, help="the app (pair) to bench (default: configs/toy-wide-cpu.yaml's)"
     ),
-    replay: bool = typer.Option(True, "--replay/--no-replay", help="also replay the relay schedules on the speed pair"),
+    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="calibrate the pair's cues first, into the bench's own store"),
+    vllm_baseline: bool = typer.Option(True, "--vllm/--no-vllm", help="also run the large model on vLLM's own OpenAI server"),
+    small_queue_bound: int = typer.Option(
+        0, "--small-queue-bound", min=0, help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)"
+    ),
     compare_transports: bool = typer.Option(
-        True, "--compare-transports/--no-compare-transports", help="also run relay with router.transport: handle"
+        False, "--compare-transports/--no-compare-transports", help="also run relay with router.transport: handle"
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="the summary as the last line, one JSON object"),
 ) -> None:
-    """large, relay, small and speculative-thinking side by side: latency, throughput, token shares,
-    cache hits, router overhead, ideal against achieved speedup. Writes JSON, markdown and PNG plots."""
+    """relay against the large model alone (on relay-serve and on vLLM's own server), small and
+    speculative-thinking, in interleaved rounds: latency, throughput, pass@1, speedup against its
+    bound from the engines' own decode costs, handoff costs. Writes JSON, markdown and PNG plots."""
+    import shlex
+    import sys
     import time
 
     from relay_serve import envs
-    from relay_serve.bench.bench import BenchSettings, run_bench
+    from relay_serve.bench.bench import BenchSettings, run_bench, summary_line
+    from relay_serve.eval.datasets import DatasetError, load_problems
 
     try:
         levels = [int(c) for c in concurrency.split(",")]
         if any(c < 1 for c in levels):
             raise ValueError
     except ValueError:
-        raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8,32", param_hint="--concurrency") from None
+        raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8", param_hint="--concurrency") from None
+    try:
+        load_problems(dataset, 1)
+    except DatasetError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset") from e
     s = BenchSettings(
+        dataset=dataset,
         concurrency=levels,
         requests_per_level=requests,
+        rounds=rounds,
+        calibrate=calibrate,
+        vllm_baseline=vllm_baseline,
         small_queue_bound=small_queue_bound or None,
         compare_transports=compare_transports,
     )
+    cfg = _load_config(config) if config is not None else None
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
-    report = run_bench(s, folder, replay=replay, progress=not as_json)
+    command = "relay-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = run_bench(s, folder, cfg=cfg, progress=not as_json, command=command)
     if as_json:
-        keys = ("overload", "transports", "replay")
-        typer.echo(json.dumps({"out": str(folder), "trained": report["trained"]["levels"], **{k: report.get(k) for k in keys}}))
+        typer.echo(summary_line(report))
     else:
         typer.echo((folder / "bench.md").read_text())
         typer.echo(f"written to {folder}")

@@ -15,7 +15,7 @@ import json
 import time
 
 from relay_serve.config import AppConfig
-from relay_serve.serve.local import http_client
+from relay_serve.client import chat_body, http_client
 
 
 def affinity_figures(responses: list[dict]) -> dict:
@@ -44,7 +44,7 @@ async def _fire(url: str, prompts: list[str]) -> list[dict]:
         async def one(p: str) -> dict:
             r = await client.post(
                 url + "/v1/chat/completions",
-                json={"model": "relay", "messages": [{"role": "user", "content": p}], "relay_trace": True},
+                json=chat_body("relay", p, relay_trace=True),
             )
             r.raise_for_status()
             return r.json()

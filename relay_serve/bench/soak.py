@@ -20,8 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from relay_serve.bench.bench import pct
-from relay_serve.serve.local import api_headers, http_client
+from relay_serve.bench.report import pct
+from relay_serve.client import api_headers, chat_body, http_client
+from relay_serve.config import PaperSampling
 
 
 class SoakSettings(BaseModel):
@@ -34,18 +35,11 @@ class SoakSettings(BaseModel):
 
 def _body(rng: random.Random, prompt: str, s: SoakSettings) -> dict[str, Any]:
     mode = rng.choices(["relay", "large", "small", "speculative-thinking"], weights=[7, 1, 1, 1])[0]
-    body = {
-        "model": mode,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": s.max_tokens,
-        "temperature": 0.6,
-        "top_p": 0.95,
-        "top_k": 20,
-        "seed": rng.randrange(2**31),
-    }
-    if rng.random() < 0.7:
-        body["stream"] = True
-    return body
+    paper = PaperSampling()
+    return chat_body(
+        mode, prompt, max_tokens=s.max_tokens, temperature=paper.temperature, top_p=paper.top_p, top_k=paper.top_k,
+        seed=rng.randrange(2**31), stream=True if rng.random() < 0.7 else None,
+    )
 
 
 async def _one(client, base: str, body: dict) -> tuple[bool, str | None, int]:

@@ -40,7 +40,6 @@ class VLLMEngine(Engine):
             top_k=s.top_k if s.top_k > 0 else 0,
             seed=s.seed,
             stop=request.stop or None,
-            ignore_eos=request.ignore_eos,
             include_stop_str_in_output=True,
             skip_special_tokens=True,
             # FINAL_ONLY spares the replica's event loop one output object per token.

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from relay_serve.config import PaperSampling
 from relay_serve.eval.datasets import Problem, load_problems
 from relay_serve.eval.grading import THINK_CLOSE, answer_part, extracted, is_correct, same_answer
-from relay_serve.serve.local import http_client
+from relay_serve.client import RequestFailed, chat_body, http_client, post_chat
 
 
 class EvalSettings(PaperSampling):
@@ -64,13 +64,6 @@ def service(url: str | None) -> Iterator[str]:
         ray.shutdown()
 
 
-async def _chat(client: httpx.AsyncClient, base: str, body: dict) -> dict:
-    r = await client.post(base + "/v1/chat/completions", json=body)
-    if r.status_code != 200:
-        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-    return r.json()
-
-
 async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink, progress: bool) -> list[dict]:
     """Every sample of every problem; each record goes to ``sink`` (a text file) as it completes,
     so an interrupted run keeps what it finished. A failed request is a record with ``error``."""
@@ -81,20 +74,12 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
     bar = tqdm(total=len(jobs), desc=f"eval {s.mode}", disable=not progress)
 
     async def one(client, p: Problem, k: int) -> dict:
-        body = {
-            "model": s.mode,
-            "messages": [{"role": "user", "content": p.problem}],
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "seed": s.seed * 1000 + k,
-        }
+        body = chat_body(s.mode, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed * 1000 + k)
         async with sem:
             t0 = time.perf_counter()
             try:
-                resp = await _chat(client, base, body)
-            except (RuntimeError, httpx.HTTPError) as e:
+                resp = await post_chat(client, base, body)
+            except (RequestFailed, httpx.HTTPError) as e:
                 resp = None
                 error = f"{type(e).__name__}: {e}"
             latency = time.perf_counter() - t0
@@ -197,10 +182,7 @@ async def _agreement(base: str, problems: list[Problem], s: EvalSettings, sink, 
 
     async def one(client, p: Problem) -> dict:
         async with sem:
-            think = await _chat(client, base, {
-                "model": "large", "messages": [{"role": "user", "content": p.problem}], "stop": [THINK_CLOSE],
-                "max_tokens": s.max_tokens, "temperature": 0.0,
-            })  # fmt: skip
+            think = await post_chat(client, base, chat_body("large", p.problem, stop=[THINK_CLOSE], max_tokens=s.max_tokens, temperature=0.0))
             reasoning = think["choices"][0]["message"]["content"] + THINK_CLOSE
             prompt = codec.render_chat([{"role": "user", "content": p.problem}]) + reasoning
             answers = {}

@@ -221,29 +221,6 @@ class SpeculativeThinking:
         return draft
 
 
-class ReplayStep(BaseModel):
-    model: ModelRole
-    tokens: int = Field(ge=1, le=100_000)
-
-
-class Replay:
-    """Benchmarks only: reproduce a recorded segment schedule (which model, how many tokens),
-    EOS ignored, so that a speed-only pair runs exactly the relay's work."""
-
-    def __init__(self, schedule: list[ReplayStep]) -> None:
-        self.schedule = schedule
-        self.prefetch: tuple[ModelRole, ...] = tuple(dict.fromkeys(step.model for step in schedule))
-
-    async def run(self, s: Session) -> None:
-        out = None
-        for step in self.schedule:
-            if s.left <= 0:
-                s.finish("length")
-                return
-            out = await s.segment(step.model, [], step.tokens, ignore_eos=True)
-        s.finish(out.finish_reason if out is not None else "stop")
-
-
 def make_policy(name: PolicyName, settings: PolicySettings, cues: list[str]):
     if name == "relay":
         return RelayGen(settings, cues)

@@ -113,7 +113,6 @@ class Session:
         cue: str | None = None,
         commit: bool = True,
         sentence: bool = False,
-        ignore_eos: bool = False,
         retries: int | None = None,
         guarded: bool = False,
     ) -> SegmentOutcome:
@@ -143,7 +142,7 @@ class Session:
         while True:
             try:
                 timeout_s = self.small_timeout_s if guarded else None
-                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, ignore_eos, timeout_s)
+                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, timeout_s)
                 break
             except SmallModelUnavailable:
                 raise  # the backend knows the deployment cannot answer now: no point asking again
@@ -177,7 +176,6 @@ class Session:
         max_tokens: int,
         tokens: list[int],
         commit: bool,
-        ignore_eos: bool,
         timeout_s: float | None,
     ) -> EngineChunk:
         """One engine request continuing the context (and ``tokens``, a draft's so far); appends
@@ -189,7 +187,6 @@ class Session:
             max_tokens=max_tokens,
             stop=list(dict.fromkeys(stop + self.user_stops)),
             sampling=self.sampling.for_segment(self.usage.engine_requests),
-            ignore_eos=ignore_eos,
             session_id=self.session_id,
         )
         self.usage.engine_requests += 1

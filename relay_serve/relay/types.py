@@ -24,8 +24,10 @@ class SamplingSettings(BaseModel):
     seed: int | None = None
 
     def for_segment(self, index: int) -> SamplingSettings:
-        """The settings of the ``index``-th engine request: same, with a seed derived from both."""
-        if self.seed is None:
+        """The settings of the ``index``-th engine request: the first samples with the request's own
+        seed (a one-model request then writes what the engine alone writes for that seed); each later
+        one with a seed derived from both."""
+        if self.seed is None or index == 0:
             return self
         return self.model_copy(update={"seed": (self.seed * 1_000_003 + index) % (2**31 - 1)})
 
@@ -40,7 +42,6 @@ class SegmentRequest(BaseModel):
     max_tokens: int = Field(ge=1)
     stop: list[str] = Field(default_factory=list)
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
-    ignore_eos: bool = Field(False, description="write max_tokens tokens whatever comes (benchmark replays)")
     session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
 
 

@@ -43,19 +43,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def api_headers() -> dict[str, str]:
-    """What a client of a relay-serve API sends: RELAY_API_KEY as a Bearer key, when it is set."""
-    key = envs.api_key()
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def http_client(timeout: float = 600.0):
-    """An HTTP client for a relay-serve API (eval, bench, soak)."""
-    import httpx
-
-    return httpx.AsyncClient(timeout=timeout, headers=api_headers())
-
-
 def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
     """Connect to RELAY_RAY_ADDRESS, or start a local Ray; ``env_vars`` reach every worker (the
     Serve controller and proxies too)."""

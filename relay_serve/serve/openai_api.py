@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from relay_serve.relay.policy import ReplayStep
 from relay_serve.relay.types import RelayUsage, TraceSegment
 
 
@@ -92,9 +91,6 @@ class _SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     relay_trace: StrictBool = False
-    relay_replay: list[ReplayStep] | None = Field(
-        None, max_length=10_000, description="benchmarks: replay this segment schedule, EOS ignored"
-    )
     user: str | None = None
 
     @field_validator("temperature", "top_p", mode="before")

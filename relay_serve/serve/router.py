@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay_serve.config import AppConfig
 from relay_serve.cues import CueProvider
-from relay_serve.relay.policy import POLICY_NAMES, Replay, make_policy
+from relay_serve.relay.policy import POLICY_NAMES, make_policy
 from relay_serve.relay.session import EngineError, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings, TextDelta
 from relay_serve.serve.openai_api import (
@@ -318,7 +318,7 @@ class RelayRouter:
         await self.cues.maybe_refresh()
         cue_set = self.cues.active()  # the set this request starts with is the set it ends with
         session = self._session(req, prompt_ids, max_tokens, cue_set)
-        policy = Replay(req.relay_replay) if req.relay_replay else make_policy(name, self.cfg.policy, cue_set.cues)
+        policy = make_policy(name, self.cfg.policy, cue_set.cues)
         if req.stream:
             return StreamingResponse(self._stream(req, session, policy, chat), media_type="text/event-stream")
         self.in_flight += 1

@@ -1,25 +1,41 @@
-"""The benchmark's arithmetic (quantiles, per-level metrics, ideal speedup), its report files, and
-the replay mode reproducing a recorded schedule on the real app."""
+"""The benchmark: per-run figures from responses and engine timings, the speedup against its bound
+over rounds, the report files and summary line, the vLLM baseline's command line; and, on the real
+app, that engines report their timings and that vLLM's own server writes what relay-serve's large
+mode writes for the same seed."""
 
 from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 
-from relay_serve.bench.bench import ideal_speedup, latency_split, level_metrics, markdown, pct, per_token_cost, plots
+from relay_serve.bench.report import BenchReport, PairInfo, level_report, pct, run_metrics
+from relay_serve.bench.vllm_baseline import engine_cli_args
 
 
-def result(latency: float, large: int, small: int, switches: int, wall: float, engine: float, cached: int = 0) -> dict:
-    return {
-        "_latency_s": latency,
-        "usage": {
-            "completion_tokens": large + small,
-            "relay": {"large_tokens": large, "small_tokens": small, "switches": switches, "wall_s": wall, "engine_s": engine},
-        },
-        "relay_engine_requests": [{"prompt_tokens": 100, "cached_tokens": cached}],
-    }
+def engine_request(model: str, prompt: int, cached: int, out: int, ttft: float, decode: float) -> dict:
+    return {"model": model, "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": out, "ttft_s": ttft, "decode_s": decode,
+            "engine_s": ttft + decode + 0.001, "wall_s": ttft + decode + 0.002}  # fmt: skip
+
+
+def relay_result(latency: float, correct: bool = True) -> dict:
+    """A relay response: large writes 11 tokens, small 5, large 4 more (2 switches)."""
+    reqs = [
+        engine_request("large", 20, 0, 11, ttft=0.030, decode=10 * 0.020),
+        engine_request("small", 31, 0, 5, ttft=0.008, decode=4 * 0.002),
+        engine_request("large", 36, 32, 4, ttft=0.040, decode=3 * 0.020),
+    ]
+    engine_s = sum(e["engine_s"] for e in reqs)
+    usage = {"completion_tokens": 20, "relay": {"large_tokens": 15, "small_tokens": 5, "switches": 2, "wall_s": engine_s + 0.004, "engine_s": engine_s}}
+    return {"_latency_s": latency, "_correct": correct, "usage": usage, "relay_engine_requests": reqs,
+            "choices": [{"message": {"content": "x"}}]}  # fmt: skip
+
+
+def single_result(latency: float, model: str, tokens: int, step: float) -> dict:
+    reqs = [engine_request(model, 20, 0, tokens, ttft=0.03, decode=(tokens - 1) * step)]
+    relay = {"large_tokens": tokens if model == "large" else 0, "small_tokens": tokens if model == "small" else 0, "switches": 0,
+             "wall_s": latency - 0.01, "engine_s": reqs[0]["engine_s"]}  # fmt: skip
+    return {"_latency_s": latency, "_correct": True, "usage": {"completion_tokens": tokens, "relay": relay}, "relay_engine_requests": reqs}
 
 
 def test_pct():
@@ -29,68 +45,130 @@ def test_pct():
     assert math.isnan(pct([], 0.5))
 
 
-def test_level_metrics():
-    results = [result(1.0, 30, 10, 2, wall=1.0, engine=0.99, cached=50), result(3.0, 40, 0, 0, wall=3.0, engine=2.998)]
-    m = level_metrics(results, wall_s=4.0)
-    assert m["latency_p50_s"] == 2.0 and m["output_tokens"] == 80 and m["output_tokens_per_s"] == 20.0
-    assert m["small_token_share"] == 0.125 and m["switches_per_request"] == 1.0
-    assert m["cached_prompt_token_ratio"] == 0.25
-    assert m["router_overhead_per_switch_ms_p50"] == pytest.approx(5.0)  # (1.0 - 0.99) / 2 switches
-    assert m["router_overhead_per_request_ms_p50"] == pytest.approx(6.0)
+def test_run_metrics_of_relay_responses():
+    results = [relay_result(0.40), relay_result(0.50, correct=False), {"_error": "HTTP 502: engine"}]
+    m = run_metrics("relay", 1, 0, results, wall_s=1.0)
+    assert (m.requests, m.errors, m.pass_at_1) == (3, 1, round(1 / 3, 4))
+    assert m.latency_p50_s == 0.45 and m.s_per_token == pytest.approx(0.9 / 40)
+    assert m.small_token_share == 0.25 and m.switches_per_request == 2
+    assert m.decode_ms_per_token == {"large": 20.0, "small": 2.0}  # decode time over the steps after each first token
+    # ideal: 15 large tokens at 20 ms and 5 small at 2 ms, per token
+    assert m.ideal_s_per_token == pytest.approx((15 * 0.020 + 5 * 0.002) / 20)
+    assert m.router_overhead_per_switch_ms_p50 == pytest.approx(2.0)
+    assert m.cached_prompt_token_ratio == round(32 / 87, 4)
+    # every engine request after a generation's first is a handoff
+    assert m.handoff["large"].resumed_per_request == 1 and m.handoff["large"].ttft_ms == 40.0 and m.handoff["large"].recomputed_tokens == 4
+    assert m.handoff["small"].ttft_ms == 8.0 and m.handoff["small"].recomputed_tokens == 31
+    split = m.split_ms
+    assert split["decode"] == pytest.approx(310.0) and split["router"] == pytest.approx(4.0)
+    engine_ms = 1000 * results[0]["usage"]["relay"]["engine_s"]
+    assert split["handoffs"] == pytest.approx(engine_ms - 310.0, abs=0.01)
+    assert split["outside"] == pytest.approx(450.0 - engine_ms - 4.0, abs=0.01)
 
 
-def test_ideal_speedup():
-    relay = [result(1.0, 50, 50, 4, 1, 1)]
-    # large costs 10x small per token: 100 large tokens = 100 units; relay = 50 + 5 units
-    assert ideal_speedup(relay, c_large=0.010, c_small=0.001) == pytest.approx(100 / 55)
-    assert per_token_cost([result(2.0, 100, 0, 0, 2, 2)]) == pytest.approx(0.02)
+def test_run_metrics_of_a_plain_openai_server():
+    plain = {"_latency_s": 1.0, "_correct": True, "usage": {"completion_tokens": 50}, "choices": [{"message": {"content": "x"}}]}
+    m = run_metrics("vllm-large", 1, 0, [plain], wall_s=1.0)
+    assert m.latency_p50_s == 1.0 and m.pass_at_1 == 1.0 and m.s_per_token == 0.02
+    assert m.small_token_share is None and m.ideal_s_per_token is None and m.decode_ms_per_token == {}
 
 
-def test_latency_split():
-    relay = [result(1.0, 50, 50, 4, wall=0.9, engine=0.8), result(2.0, 100, 0, 0, wall=1.9, engine=1.85)]
-    x = latency_split(relay, c_large=0.010, c_small=0.001)
-    assert x == {"latency_ms": 1500.0, "engine_ms": 1325.0, "router_ms": 75.0, "outside_router_ms": 100.0, "ideal_ms": 775.0}
+def runs_of_three_rounds(relay_latency: float = 0.40):
+    runs = []
+    for k, jitter in enumerate((0.0, 0.05, -0.05)):
+        runs.append(run_metrics("large", 1, k, [single_result(0.60 + jitter, "large", 20, 0.02)], 1.0))
+        runs.append(run_metrics("small", 1, k, [single_result(0.06, "small", 20, 0.002)], 1.0))
+        runs.append(run_metrics("relay", 1, k, [relay_result(relay_latency + jitter)], 1.0))
+    return runs
 
 
-def test_report_files(tmp_path):
-    level = level_metrics([result(1.0, 30, 10, 2, 1.0, 0.99)], 1.0)
-    relay = {**level, "achieved_speedup": 1.1, "ideal_speedup": 1.2}
-    report = {
-        "started": "2026-12-03 12:00",
-        "machine": "x86_64, 2 CPUs",
-        "trained": {"levels": {"large": {1: level}, "relay": {1: relay}}, "per_token_cost_ms": {"large": 4.0, "small": 2.0}},
-        "replay": {"levels": {1: {"relay": level, "speedup": {"per_token_cost_ms": {"large": 9.0, "small": 1.0}, "ideal": 1.3, "achieved": 1.25, "achieved_over_ideal": 0.962,
-                                                                "relay_latency_split": {"latency_ms": 900.0, "engine_ms": 850.0, "router_ms": 5.0, "outside_router_ms": 45.0, "ideal_ms": 800.0}}}}},
-        "transports": {"levels": [1], "direct": {1: level}, "handle": {"1": {**level, "router_overhead_per_switch_ms_p50": 9.5}}},
-    }
-    bounded = {**level, "kept_on_large_per_request": 1.5, "degraded_requests": 1}
-    report["overload"] = {"bound": 4, "concurrency": 1, "unbounded": relay, "bounded": bounded}
+def test_speedup_and_its_bound_over_rounds():
+    lv = level_report(1, runs_of_three_rounds())
+    # per round: large 0.6 s / 20 tokens against relay 0.4 s / 20 tokens; ideal: relay at decode cost (0.31 s)
+    assert lv.speedup.median == pytest.approx(1.5) and lv.speedup.min < lv.speedup.median < lv.speedup.max
+    assert lv.ideal.median == pytest.approx(0.6 / 0.31, abs=1e-3)
+    assert lv.achieved_over_ideal.median == pytest.approx(0.31 / 0.40, abs=1e-3) and not lv.measurement_error
+    assert lv.cost_ratio.median == 10.0  # large's in-engine decode cost over small's, each alone
+    assert set(lv.relay_split_ms) == {"decode", "handoffs", "router", "outside"}
+    assert lv.modes["relay"].pass_at_1 == 1.0 and lv.modes["large"].latency_p50_s.median == 0.6
+
+
+def test_an_achieved_speedup_above_its_bound_is_a_measurement_error():
+    # a relay faster than its own decode steps allow: the engines' timings and the client's disagree
+    lv = level_report(1, runs_of_three_rounds(relay_latency=0.28))
+    assert lv.achieved_over_ideal.max > 1.05 and lv.measurement_error
+    from relay_serve.bench.render import markdown
+
+    report = BenchReport(started="t", machine="m", command="relay-serve bench", settings={"rounds": 3}, pair=PairInfo(large="a", small="b"), levels=[lv], runs=[])
+    assert "a measurement error, not a result" in markdown(report)
+
+
+def test_report_files_and_summary_line(tmp_path):
+    from relay_serve.bench.render import markdown, plots
+
+    runs = runs_of_three_rounds()
+    runs += [run_metrics("vllm-large", 1, k, [{"_latency_s": 0.55, "_correct": True, "usage": {"completion_tokens": 20}}], 1.0) for k in range(3)]
+    report = BenchReport(
+        started="2026-12-04 12:00", machine="x86_64, 2 CPUs", command="relay-serve bench", settings={"rounds": 3},
+        pair=PairInfo(large="toy:large-wide", small="toy:small", cue_set_version="v1", cues=["Thus,"]), levels=[level_report(1, runs)], runs=runs,
+        sections={"overload": [runs[2], runs[2].model_copy(update={"mode": "relay (bound 4)"})]},
+    )  # fmt: skip
     md = markdown(report)
-    assert "| relay | 1 |" in md and "1.1 / 1.2" in md and "0.962" in md
-    assert "a bound of 4 small-model segments" in md and "| 4 | 1.0 | 1.0 | 40.0 | 0.25 | 1.5 | 1 |" in md
-    assert "| direct | 1 | 1.0 | 40.0 | 5.0 | 10.0 |" in md and "| handle | 1 | 1.0 | 40.0 | 9.5 | 10.0 |" in md
-    assert "| 1 | 900.0 | 850.0 | 5.0 | 45.0 | 800.0 |" in md
+    assert "`relay-serve bench`" in md and "toy:large-wide" in md and "| 1 | 1.5 [" in md
+    assert "| vllm-large | 1 | 0.55 |" in md and "| relay (bound 4) | 1 |" in md
+    assert "| 1 | large | 1.0 | 40.0 | 20.0 | 4.0 |" in md
     paths = plots(report, tmp_path)
-    assert [p.name for p in paths] == ["latency.png", "speedup.png", "relay_time_split.png"]
+    assert [p.name for p in paths] == ["speedup.png", "latency.png", "relay_time_split.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    summary = report.summary()
+    (level,) = summary["levels"]
+    assert set(level) == {
+        "concurrency", "speedup", "ideal", "achieved_over_ideal", "measurement_error", "relay_pass_at_1", "large_pass_at_1",
+        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms_p50",
+    }  # fmt: skip
+    assert level["vllm_large_p50_s"] == 0.55 and summary["pair"]["large"] == "toy:large-wide"
+    assert BenchReport.model_validate_json(report.model_dump_json()) == report  # bench.json reads back as the typed report
+
+
+def test_engine_arguments_become_vllm_flags():
+    flags = engine_cli_args({"max_model_len": 1024, "enforce_eager": True, "dtype": "float32", "speculative_config": {"method": "eagle3"}, "x": False})
+    assert flags == [
+        "--enable-prefix-caching", "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
+        "--speculative-config", '{"method": "eagle3"}', "--no-x",
+    ]  # fmt: skip
+    assert engine_cli_args({"enable_prefix_caching": False})[0] == "--no-enable-prefix-caching"
 
 
 @pytest.mark.serve
-def test_replay_reproduces_the_schedule(relay_app):
-    schedule = [{"model": "large", "tokens": 9}, {"model": "small", "tokens": 4}, {"model": "large", "tokens": 6}, {"model": "small", "tokens": 12}]
-    body = {
-        "model": "relay",
-        "messages": [{"role": "user", "content": "Start at e3. Follow the map four times."}],
-        "max_tokens": 40,
-        "relay_replay": schedule,
-        "relay_trace": True,
-    }
-    r = httpx.post(relay_app + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    out = r.json()
-    got = [{"model": s["model"], "tokens": s["tokens"]} for s in out["relay_trace"]]
-    assert got == schedule
-    assert out["usage"]["relay"]["small_tokens"] == 16 and out["usage"]["relay"]["switches"] == 3
-    assert out["usage"]["relay"]["engine_s"] <= out["usage"]["relay"]["wall_s"]
-    bad = httpx.post(relay_app + "/v1/chat/completions", json={**body, "relay_replay": [{"model": "medium", "tokens": 3}]}, timeout=30)
-    assert bad.status_code == 400 and "relay_replay" in bad.json()["error"]["param"]
+def test_engines_time_their_requests_on_the_real_app(relay_app):
+    from relay_serve.bench.bench import BenchSettings, measure
+    from relay_serve.eval.datasets import load_problems
+
+    s = BenchSettings(requests_per_level=3, max_tokens=120)
+    m = measure(relay_app, "relay", "relay", s, load_problems("toy", 3), c=3, round_=0)
+    assert m.errors == 0 and m.switches_per_request > 0
+    assert set(m.decode_ms_per_token) == {"large", "small"} and all(0 < v < 100 for v in m.decode_ms_per_token.values())
+    assert m.ideal_s_per_token is not None and m.ideal_s_per_token < m.s_per_token  # a bound, in a real run
+    assert all(h.ttft_ms is not None and h.ttft_ms > 0 for h in m.handoff.values())
+
+
+@pytest.mark.serve
+@pytest.mark.vllm
+def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
+    """The baseline runs the same engine with the same arguments: for a seed, relay-serve's large
+    mode (whose single engine request samples with the request's seed) and vLLM's server agree."""
+    import asyncio
+
+    from relay_serve.bench.bench import fire
+    from relay_serve.bench.vllm_baseline import VLLMServer
+    from relay_serve.client import chat_body
+    from relay_serve.config import AppConfig
+    from relay_serve.serve.local import free_port
+
+    body = dict(max_tokens=200, temperature=0.8, top_p=0.95, top_k=20)
+    prompts = ["Start at b3. Follow the map four times.", "Start at k11. Follow the map five times."]
+    ours, _ = asyncio.run(fire(relay_app, [chat_body("large", p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2))
+    with VLLMServer(AppConfig().large, port=free_port(), log=tmp_path / "vllm.log") as vllm:
+        theirs, _ = asyncio.run(fire(vllm.base, [chat_body(vllm.served_name, p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2))
+    texts = [[r["choices"][0]["message"]["content"] for r in rs] for rs in (ours, theirs)]
+    assert texts[0] == texts[1] and all("</think>" in t for t in texts[0])

@@ -296,16 +296,6 @@ def test_speculative_thinking_keeps_drafts_without_reflection():
     check_invariants(r)
 
 
-def test_replay_reproduces_a_schedule_ignoring_eos():
-    from relay_serve.relay.policy import Replay, ReplayStep
-
-    s, backend = make_session({"large": follow(REF * 3), "small": follow(REF * 3)})
-    r = run(s, Replay([ReplayStep(model="large", tokens=7), ReplayStep(model="small", tokens=3), ReplayStep(model="large", tokens=2)]))
-    assert [(seg.model, seg.tokens) for seg in r.trace] == [("large", 7), ("small", 3), ("large", 2)]
-    assert all(req.ignore_eos for req in backend.requests)
-    check_invariants(r)
-
-
 # ---- faults: a replica dies mid-segment, the small deployment refuses --------------------------
 
 

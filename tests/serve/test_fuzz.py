@@ -51,7 +51,7 @@ JSON = st.recursive(
     max_leaves=12,
 )
 FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "stream", "stream_options", "n", "relay_trace", "relay_replay", "user"]
+          "stop", "stream", "stream_options", "n", "relay_trace", "user"]
 
 
 @given(field=st.sampled_from(FIELDS), value=JSON, stream=st.booleans())

@@ -1,0 +1,172 @@
+"""The benchmark report as markdown tables and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from relay_serve.bench.report import RATIO_LIMIT, BenchReport, RunMetrics, Spread
+
+MODE_ORDER = ("large", "vllm-large", "relay", "small", "speculative-thinking")
+
+
+def _ratio_text(lv) -> str:
+    text = lv.achieved_over_ideal.text()
+    return f"{text} (above {RATIO_LIMIT}: a measurement error, not a result)" if lv.measurement_error else text
+
+
+def markdown(report: BenchReport) -> str:
+    r = report
+    rounds = r.settings.get("rounds")
+    lines = [
+        f"Benchmark {r.started} on {r.machine}: `{r.command}`",
+        "",
+        f"Pair: large `{r.pair.large}`, small `{r.pair.small}`; cue set {r.pair.cue_set_version} {r.pair.cues}. "
+        f"{rounds} rounds; each round runs every mode on the same prompts and seeds, the modes in a rotating order. "
+        "Figures are the median over the rounds, [min-max] beside it.",
+        "",
+        "Speed (time per output token; ideal = relay's tokens at their models' in-engine decode cost in the same run):",
+        "",
+        "| concurrency | speedup of relay over large | ideal | achieved / ideal | large / small decode cost | relay p50 (s) | large p50 (s) | vLLM serve large p50 (s) | relay pass@1 | large pass@1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in r.levels:
+        p50 = {m: s.latency_p50_s.text() for m, s in lv.modes.items()}
+        p1 = {m: f"{s.pass_at_1:.3f}" for m, s in lv.modes.items()}
+        lines.append(
+            f"| {lv.concurrency} | {lv.speedup.text()} | {lv.ideal.text()} | {_ratio_text(lv)} | {lv.cost_ratio.text()} | "
+            f"{p50.get('relay', '-')} | {p50.get('large', '-')} | {p50.get('vllm-large', '-')} | {p1.get('relay', '-')} | {p1.get('large', '-')} |"
+        )
+    lines += [
+        "",
+        "Every mode:",
+        "",
+        "| mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | pass@1 | small share | switches/req | false stops/req | cached prompt ratio | router overhead/switch p50 (ms) | decode ms/token (large, small) | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in r.levels:
+        for mode in sorted(lv.modes, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99):
+            s = lv.modes[mode]
+            dec = ", ".join(s.decode_ms_per_token[m].text() if m in s.decode_ms_per_token else "-" for m in ("large", "small"))
+            lines.append(
+                f"| {mode} | {lv.concurrency} | {s.latency_p50_s.text()} | {s.latency_p90_s.text()} | {s.output_tokens_per_s.text()} | "
+                f"{s.pass_at_1:.3f} | {s.small_token_share.text()} | {s.switches_per_request.text()} | {s.false_stops_per_request.text()} | "
+                f"{s.cached_prompt_token_ratio.text()} | {s.router_overhead_per_switch_ms_p50.text()} | {dec} | {s.errors} |"
+            )
+    lines += [
+        "",
+        "Where a relay request's time goes (ms, mean a request): its tokens at their models' decode cost, the rest of the time "
+        "inside the engines (handoffs: prefill of the other model's tokens, waiting for a first token), the router, and outside "
+        "the router (HTTP, Serve's proxy):",
+        "",
+        "| concurrency | decode | handoffs | router | outside the router |",
+        "|---|---|---|---|---|",
+    ]
+    for lv in r.levels:
+        sp = lv.relay_split_ms
+        if sp:
+            lines.append(f"| {lv.concurrency} | {sp['decode'].text()} | {sp['handoffs'].text()} | {sp['router'].text()} | {sp['outside'].text()} |")
+    lines += [
+        "",
+        "What a handoff costs inside the engine (relay, the median round): segments after a generation's first, their time to "
+        "first token against a decode step of the same model, and the prompt tokens they computed again (not served from the "
+        "prefix cache):",
+        "",
+        "| concurrency | model | resumed segments/req | time to first token (ms) | decode step (ms) | recomputed tokens/segment |",
+        "|---|---|---|---|---|---|",
+    ]
+    for lv in r.levels:
+        for model, h in lv.relay_handoff.items():
+            lines.append(f"| {lv.concurrency} | {model} | {h.resumed_per_request} | {h.ttft_ms} | {h.decode_ms} | {h.recomputed_tokens} |")
+    for name, runs in r.sections.items():
+        lines += ["", *_section(name, runs)]
+    return "\n".join(lines) + "\n"
+
+
+SECTION_TITLES = {
+    "overload": "Overload: relay without and with a bound on small-model segments in flight (router.max_small_in_flight); past it the large model keeps the handoff",
+    "transports": "Relay by transport: segments over the leased replica's channel (direct) or a Ray Serve handle call each (handle)",
+    "sessions": "Relay with one resumable engine request per model and generation (sessions) against a new engine request per segment",
+}
+
+
+def _section(name: str, runs: list[RunMetrics]) -> list[str]:
+    lines = [
+        SECTION_TITLES.get(name, name) + ":",
+        "",
+        "| variant | concurrency | p50 latency (s) | output tok/s | small share | router overhead/switch p50 (ms) | kept on large/req | degraded |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run.mode} | {run.concurrency} | {run.latency_p50_s} | {run.output_tokens_per_s} | {run.small_token_share} | "
+            f"{run.router_overhead_per_switch_ms_p50} | {run.kept_on_large_per_request} | {run.degraded_requests} |"
+        )
+    return lines
+
+
+def plots(report: BenchReport, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    levels = report.levels
+    labels = [f"c={lv.concurrency}" for lv in levels]
+    x = list(range(len(levels)))
+
+    def bars(ax, offset: float, spreads: list[Spread], label: str) -> None:
+        med = [s.median or 0.0 for s in spreads]
+        err = [[m - (s.min if s.min is not None else m) for m, s in zip(med, spreads)], [(s.max if s.max is not None else m) - m for m, s in zip(med, spreads)]]
+        ax.bar([i + offset for i in x], med, width=0.35, yerr=err, capsize=4, label=label)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars(ax, -0.18, [lv.ideal for lv in levels], "ideal (in-engine decode costs)")
+    bars(ax, 0.18, [lv.speedup for lv in levels], "achieved")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("relay speedup over large (time per token)")
+    ax.set_title(f"relay against large, {report.pair.large} + {report.pair.small}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    modes = [m for m in MODE_ORDER if all(m in lv.modes for lv in levels)]
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        spreads = [lv.modes[mode].latency_p50_s for lv in levels]
+        med = [s.median or 0.0 for s in spreads]
+        err = [[m - s.min for m, s in zip(med, spreads)], [s.max - m for m, s in zip(med, spreads)]]
+        ax.bar([i - 0.4 + width * (j + 0.5) for i in x], med, width=width, yerr=err, capsize=3, label=mode)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("p50 latency (s), min-max over rounds")
+    ax.set_title("latency per mode")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "latency.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    splits = [lv.relay_split_ms for lv in levels]
+    if all(splits):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(levels)
+        for key, label in (("decode", "decode steps"), ("handoffs", "handoffs (in the engines)"), ("router", "router"), ("outside", "outside the router")):
+            values = [sp[key].median or 0.0 for sp in splits]
+            ax.bar(x, values, bottom=bottom, width=0.5, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        large = [1000 * (lv.modes["large"].latency_p50_s.median or 0.0) for lv in levels if "large" in lv.modes]
+        if len(large) == len(levels):
+            ax.scatter(x, large, marker="_", s=2000, color="black", label="large p50", zorder=3)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel("ms per relay request (mean)")
+        ax.set_title("where relay time goes")
+        ax.legend(loc="upper left", fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "relay_time_split.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,308 @@
+"""The benchmark's figures: per run (one mode at one concurrency in one round) from the responses
+and the engines' own timings, then per concurrency over the rounds (median, min and max), as typed
+models, a markdown report and plots. Pure: no HTTP, no Ray.
+
+The speedup is a ratio of times per output token (the modes write different texts on the same
+prompts): large's over relay's. Its *ideal* is the bound for the very run it is measured in: the
+relay's time per token had each token cost only what its model's decode steps cost inside the
+engines in that run (no handoff: no prefill of the other model's tokens, no wait for a first token,
+no router). achieved / ideal is the relay's time per token in the engines' decode steps over its
+time per token; a ratio above ``RATIO_LIMIT`` cannot be a result and is reported as a measurement
+error.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+RATIO_LIMIT = 1.05
+MODELS = ("large", "small")
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (linear interpolation), NaN when empty."""
+    return float(np.quantile(values, q)) if values else float("nan")
+
+
+class Spread(BaseModel):
+    """A figure over the rounds."""
+
+    median: float | None = None
+    min: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def of(cls, values: list[float | None], digits: int = 4) -> Spread:
+        xs = [v for v in values if v is not None]
+        if not xs:
+            return cls()
+        return cls(median=round(statistics.median(xs), digits), min=round(min(xs), digits), max=round(max(xs), digits))
+
+    def text(self) -> str:
+        if self.median is None:
+            return "-"
+        if self.min == self.max:
+            return f"{self.median:g}"
+        return f"{self.median:g} [{self.min:g}-{self.max:g}]"
+
+
+class HandoffCost(BaseModel):
+    """One model's segments after a handoff (every engine request of a relay generation but its
+    first), inside the engine."""
+
+    resumed_per_request: float = Field(description="engine requests of this model after the generation's first, per request")
+    ttft_ms: float | None = Field(None, description="mean time from the engine's receipt to the first token")
+    decode_ms: float | None = Field(None, description="the model's decode step in the same run, for comparison")
+    recomputed_tokens: float | None = Field(None, description="mean prompt tokens not served from the prefix cache")
+
+
+class RunMetrics(BaseModel):
+    """One mode at one concurrency in one round."""
+
+    mode: str
+    concurrency: int
+    round: int
+    requests: int
+    errors: int
+    latency_p50_s: float | None
+    latency_p90_s: float | None
+    latency_mean_s: float | None
+    s_per_token: float | None = Field(description="summed latency over summed output tokens")
+    output_tokens_per_s: float
+    pass_at_1: float
+    small_token_share: float | None = None
+    switches_per_request: float | None = None
+    cached_prompt_token_ratio: float | None = None
+    router_overhead_per_switch_ms_p50: float | None = None
+    decode_ms_per_token: dict[str, float] = Field(default_factory=dict, description="in-engine decode cost per model")
+    ideal_s_per_token: float | None = Field(None, description="committed tokens at their model's decode cost, per token")
+    handoff: dict[str, HandoffCost] = Field(default_factory=dict)
+    split_ms: dict[str, float] | None = Field(None, description="a request's mean time: decode, handoffs, router, outside")
+    false_stops_per_request: float | None = None
+    degraded_requests: int = 0
+    kept_on_large_per_request: float = 0.0
+
+
+def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str, Any]], wall_s: float) -> RunMetrics:
+    """Figures of one run from its results: each a response with ``_latency_s`` and ``_correct``,
+    or ``{"_error": ...}`` for a request that failed (it counts as wrong)."""
+    ok = [r for r in results if "_error" not in r]
+    lat = [r["_latency_s"] for r in ok]
+    tokens = [r["usage"]["completion_tokens"] for r in ok]
+    relay = [r["usage"]["relay"] for r in ok if "relay" in r["usage"]]
+    m = RunMetrics(
+        mode=mode,
+        concurrency=concurrency,
+        round=round_,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        latency_p50_s=_round(pct(lat, 0.5)) if lat else None,
+        latency_p90_s=_round(pct(lat, 0.9)) if lat else None,
+        latency_mean_s=_round(statistics.fmean(lat)) if lat else None,
+        s_per_token=_round(sum(lat) / sum(tokens), 6) if sum(tokens) else None,
+        output_tokens_per_s=round(sum(tokens) / wall_s, 1) if wall_s > 0 else 0.0,
+        pass_at_1=round(sum(1 for r in ok if r["_correct"]) / max(1, len(results)), 4),
+    )
+    if not relay:
+        return m  # a server without relay-serve's usage (plain vLLM)
+    engine_reqs = [e for r in ok for e in r.get("relay_engine_requests", [])]
+    prompt = sum(e["prompt_tokens"] for e in engine_reqs)
+    overhead = [(u["wall_s"] - u["engine_s"]) / u["switches"] for u in relay if u["switches"] > 0]
+    m.small_token_share = round(sum(u["small_tokens"] for u in relay) / max(1, sum(tokens)), 4)
+    m.switches_per_request = round(statistics.fmean(u["switches"] for u in relay), 3)
+    m.cached_prompt_token_ratio = round(sum(e["cached_tokens"] for e in engine_reqs) / prompt, 4) if prompt else None
+    m.router_overhead_per_switch_ms_p50 = round(1000 * pct(overhead, 0.5), 3) if overhead else None
+    m.degraded_requests = sum(1 for u in relay if u.get("degraded"))
+    m.kept_on_large_per_request = round(statistics.fmean(u.get("kept_on_large", 0) for u in relay), 3)
+    if all("false_stops" in u for u in relay):
+        m.false_stops_per_request = round(statistics.fmean(u["false_stops"] for u in relay), 3)
+    m.decode_ms_per_token = _decode_costs(engine_reqs)
+    if sum(tokens) and all(u[f"{x}_tokens"] == 0 or x in m.decode_ms_per_token for u in relay for x in MODELS):
+        decode_s = [sum(u[f"{x}_tokens"] * m.decode_ms_per_token.get(x, 0.0) / 1000 for x in MODELS) for u in relay]
+        m.ideal_s_per_token = _round(sum(decode_s) / sum(tokens), 6)
+        m.split_ms = {
+            "decode": _ms(statistics.fmean(decode_s)),
+            "handoffs": _ms(statistics.fmean(u["engine_s"] for u in relay) - statistics.fmean(decode_s)),
+            "router": _ms(statistics.fmean(u["wall_s"] - u["engine_s"] for u in relay)),
+            "outside": _ms(statistics.fmean(lat) - statistics.fmean(u["wall_s"] for u in relay)),
+        }
+    m.handoff = _handoff_costs([r.get("relay_engine_requests", []) for r in ok], m.decode_ms_per_token)
+    return m
+
+
+def _decode_costs(engine_reqs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each model's decode cost per token inside the engine: decode time over the steps after
+    each request's first token."""
+    costs = {}
+    for model in MODELS:
+        timed = [e for e in engine_reqs if e["model"] == model and e.get("decode_s") is not None and e["output_tokens"] > 1]
+        steps = sum(e["output_tokens"] - 1 for e in timed)
+        if steps:
+            costs[model] = round(1000 * sum(e["decode_s"] for e in timed) / steps, 3)
+    return costs
+
+
+def _handoff_costs(per_request: list[list[dict[str, Any]]], decode_ms: dict[str, float]) -> dict[str, HandoffCost]:
+    out = {}
+    n = max(1, len(per_request))
+    for model in MODELS:
+        resumed = [e for reqs in per_request for e in reqs[1:] if e["model"] == model]
+        if not resumed:
+            continue
+        ttft = [e["ttft_s"] for e in resumed if e.get("ttft_s") is not None]
+        out[model] = HandoffCost(
+            resumed_per_request=round(len(resumed) / n, 3),
+            ttft_ms=_ms(statistics.fmean(ttft)) if ttft else None,
+            decode_ms=decode_ms.get(model),
+            recomputed_tokens=round(statistics.fmean(e["prompt_tokens"] - e["cached_tokens"] for e in resumed), 2),
+        )
+    return out
+
+
+def _round(x: float, digits: int = 4) -> float:
+    return round(x, digits)
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 2)
+
+
+# ---- over the rounds -----------------------------------------------------------------------------
+
+
+class ModeSummary(BaseModel):
+    runs: int
+    errors: int
+    latency_p50_s: Spread
+    latency_p90_s: Spread
+    output_tokens_per_s: Spread
+    pass_at_1: float = Field(description="over every request of every round")
+    small_token_share: Spread
+    switches_per_request: Spread
+    cached_prompt_token_ratio: Spread
+    router_overhead_per_switch_ms_p50: Spread
+    false_stops_per_request: Spread
+    decode_ms_per_token: dict[str, Spread]
+
+
+class LevelReport(BaseModel):
+    concurrency: int
+    modes: dict[str, ModeSummary]
+    speedup: Spread = Field(description="large's time per output token over relay's, per round")
+    ideal: Spread = Field(description="the same with relay's tokens at their models' in-engine decode cost")
+    achieved_over_ideal: Spread
+    measurement_error: bool = Field(description=f"a round's achieved / ideal exceeded {RATIO_LIMIT}")
+    cost_ratio: Spread = Field(description="large's in-engine decode cost per token over small's (each model alone)")
+    relay_split_ms: dict[str, Spread] = Field(default_factory=dict)
+    relay_handoff: dict[str, HandoffCost] = Field(default_factory=dict, description="the median round's")
+
+
+def summarize_mode(runs: list[RunMetrics]) -> ModeSummary:
+    models = sorted({k for r in runs for k in r.decode_ms_per_token})
+    requests = sum(r.requests for r in runs)
+    return ModeSummary(
+        runs=len(runs),
+        errors=sum(r.errors for r in runs),
+        latency_p50_s=Spread.of([r.latency_p50_s for r in runs]),
+        latency_p90_s=Spread.of([r.latency_p90_s for r in runs]),
+        output_tokens_per_s=Spread.of([r.output_tokens_per_s for r in runs], 1),
+        pass_at_1=round(sum(r.pass_at_1 * r.requests for r in runs) / max(1, requests), 4),
+        small_token_share=Spread.of([r.small_token_share for r in runs]),
+        switches_per_request=Spread.of([r.switches_per_request for r in runs], 3),
+        cached_prompt_token_ratio=Spread.of([r.cached_prompt_token_ratio for r in runs]),
+        router_overhead_per_switch_ms_p50=Spread.of([r.router_overhead_per_switch_ms_p50 for r in runs], 3),
+        false_stops_per_request=Spread.of([r.false_stops_per_request for r in runs], 3),
+        decode_ms_per_token={m: Spread.of([r.decode_ms_per_token.get(m) for r in runs], 3) for m in models},
+    )
+
+
+def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
+    by_mode: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        by_mode.setdefault(r.mode, []).append(r)
+    rounds = sorted({r.round for r in runs})
+
+    def one(mode: str, round_: int) -> RunMetrics | None:
+        return next((r for r in by_mode.get(mode, []) if r.round == round_), None)
+
+    speedup, ideal, ratio, cost = [], [], [], []
+    for k in rounds:
+        large, relay, small = one("large", k), one("relay", k), one("small", k)
+        if large and relay and large.s_per_token and relay.s_per_token:
+            speedup.append(large.s_per_token / relay.s_per_token)
+            if relay.ideal_s_per_token:
+                ideal.append(large.s_per_token / relay.ideal_s_per_token)
+                ratio.append(relay.ideal_s_per_token / relay.s_per_token)
+        if large and small and "large" in large.decode_ms_per_token and "small" in small.decode_ms_per_token:
+            cost.append(large.decode_ms_per_token["large"] / small.decode_ms_per_token["small"])
+    relay_runs = [r for r in by_mode.get("relay", []) if r.split_ms]
+    split = {key: Spread.of([r.split_ms[key] for r in relay_runs], 2) for key in ("decode", "handoffs", "router", "outside")} if relay_runs else {}
+    median_run = sorted(relay_runs, key=lambda r: r.s_per_token or 0.0)[len(relay_runs) // 2] if relay_runs else None
+    return LevelReport(
+        concurrency=concurrency,
+        modes={mode: summarize_mode(rs) for mode, rs in by_mode.items()},
+        speedup=Spread.of(speedup, 3),
+        ideal=Spread.of(ideal, 3),
+        achieved_over_ideal=Spread.of(ratio, 3),
+        measurement_error=any(x > RATIO_LIMIT for x in ratio),
+        cost_ratio=Spread.of(cost, 2),
+        relay_split_ms=split,
+        relay_handoff=median_run.handoff if median_run else {},
+    )
+
+
+class PairInfo(BaseModel):
+    large: str
+    small: str
+    cue_set_version: str | None = None
+    cues: list[str] = Field(default_factory=list)
+
+
+class BenchReport(BaseModel):
+    started: str
+    machine: str
+    command: str
+    settings: dict[str, Any]
+    pair: PairInfo
+    levels: list[LevelReport]
+    runs: list[RunMetrics]
+    sections: dict[str, list[RunMetrics]] = Field(
+        default_factory=dict, description="extra runs beside relay on other apps (overload bound, handle transport), by name"
+    )
+
+    def level(self, concurrency: int) -> LevelReport:
+        return next(lv for lv in self.levels if lv.concurrency == concurrency)
+
+    def summary(self) -> dict[str, Any]:
+        """The last line of ``relay-serve bench --json``: medians over the rounds."""
+
+        def p50(lv: LevelReport, mode: str) -> float | None:
+            return lv.modes[mode].latency_p50_s.median if mode in lv.modes else None
+
+        def pass1(lv: LevelReport, mode: str) -> float | None:
+            return lv.modes[mode].pass_at_1 if mode in lv.modes else None
+
+        return {
+            "pair": self.pair.model_dump(),
+            "levels": [
+                {
+                    "concurrency": lv.concurrency,
+                    "speedup": lv.speedup.median,
+                    "ideal": lv.ideal.median,
+                    "achieved_over_ideal": lv.achieved_over_ideal.median,
+                    "measurement_error": lv.measurement_error,
+                    "relay_pass_at_1": pass1(lv, "relay"),
+                    "large_pass_at_1": pass1(lv, "large"),
+                    "relay_p50_s": p50(lv, "relay"),
+                    "large_p50_s": p50(lv, "large"),
+                    "vllm_large_p50_s": p50(lv, "vllm-large"),
+                    "router_overhead_per_switch_ms_p50": lv.modes["relay"].router_overhead_per_switch_ms_p50.median if "relay" in lv.modes else None,
+                }
+                for lv in self.levels
+            ],
+        }
