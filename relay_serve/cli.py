@@ -204,7 +204,7 @@ def eval_cmd(
 @app.command("bench")
 def bench_cmd(
     concurrency: str = typer.Option("1,8", "--concurrency", help="comma-separated concurrency levels"),
-    requests: int = typer.Option(24, "--requests", min=1, help="requests per mode, level and round"),
+    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode, level and round"),
     rounds: int = typer.Option(3, "--rounds", min=1, help="every mode at every level once a round, in a rotating order"),
     dataset: str = typer.Option("toy", "--dataset", help="the prompts, graded for pass@1: toy, math500, gsm8k or jsonl:PATH"),
     config: Optional[Path] = typer.Option(
@@ -217,6 +217,9 @@ def bench_cmd(
     ),
     compare_transports: bool = typer.Option(
         False, "--compare-transports/--no-compare-transports", help="also run relay with router.transport: handle"
+    ),
+    compare_resumable: bool = typer.Option(
+        False, "--compare-resumable/--no-compare-resumable", help="also run relay with a new engine request per segment"
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
     as_json: bool = typer.Option(False, "--json", help="the summary as the last line, one JSON object"),
@@ -251,6 +254,7 @@ def bench_cmd(
         vllm_baseline=vllm_baseline,
         small_queue_bound=small_queue_bound or None,
         compare_transports=compare_transports,
+        compare_resumable=compare_resumable,
     )
     cfg = _load_config(config) if config is not None else None
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")

@@ -152,6 +152,12 @@ class RouterSettings(Strict):
         description="keep each generation's segments on the replica holding its prefix (direct: one lease a generation, "
         "not one a segment; handle: the SessionAffinityRouter)",
     )
+    resumable_requests: bool = Field(
+        True,
+        description="direct transport: a generation's segments on one model continue one resumable engine request (vLLM "
+        "streaming input; its KV cache kept between segments) instead of a new request each; engines with a "
+        "speculative_config always take a new request per segment",
+    )
     lease_idle_s: float = Field(
         2.0, ge=0.0, description="direct: a lease a generation gave back waits this long for the next one (0: no reuse)"
     )

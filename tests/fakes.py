@@ -12,6 +12,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.relay.session import SmallModelUnavailable
 from relay_serve.relay.types import Backend, EngineChunk, SegmentRequest
 
@@ -102,3 +103,80 @@ class FakeBackend(Backend):
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled += 1
             raise
+
+
+class FakeResumableEngine(Engine):
+    """An engine with resumable requests over a fixed vocabulary: the model is a script from the
+    text its request holds to what it writes next. Like vLLM, a chunk ends after a pause token, at
+    EOS (the script has nothing more) or at ``max_tokens``, and the last token a chunk sampled is
+    not part of the request until a later chunk feeds it again. ``generate`` is the plain request
+    with vLLM's stop-string semantics, to compare with."""
+
+    def __init__(self, codec: FakeCodec, script: Script) -> None:
+        self.codec = codec
+        self.script = script
+        self.requests: list[FakeResumable] = []
+        self.delay_s = 0.0  # between the tokens of a chunk
+
+    def can_resume(self) -> bool:
+        return True
+
+    def resumable(self, request_id: str) -> FakeResumable:
+        self.requests.append(FakeResumable(self, request_id))
+        return self.requests[-1]
+
+    def token_texts(self) -> list[str]:
+        return list(self.codec.pieces)
+
+    def decode(self, token_ids) -> str:
+        return self.codec.decode(token_ids)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(model="fake-resumable", max_model_len=4096, tokenizer_fingerprint="fake")
+
+    async def check_health(self) -> None:
+        pass
+
+    def next_pieces(self, held: list[int]) -> list[int]:
+        return self.codec.encode(self.script(self.codec.decode(held)))
+
+    async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        pieces = self.next_pieces(request.prompt_token_ids)
+        for n in range(1, len(pieces) + 1):
+            text = self.codec.decode(pieces[:n])
+            hit = next((s for s in request.stop if s in text), None)
+            if hit is not None or n == request.max_tokens:
+                yield EngineChunk(token_ids=pieces[:n], finished=True, finish_reason="stop" if hit else "length", stop_reason=hit)
+                return
+        yield EngineChunk(token_ids=pieces, finished=True, finish_reason="stop")
+
+
+class FakeResumable:
+    def __init__(self, engine: FakeResumableEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.held: list[int] = []  # tokens in the request's cache
+        self.feeds: list[list[int]] = []
+        self.closed = False
+
+    async def chunk(self, token_ids, max_tokens, pause_ids, sampling):
+        from relay_serve.engine.base import ChunkOutput
+
+        assert not self.closed and token_ids, "a chunk must feed tokens to an open request"
+        self.feeds.append(list(token_ids))
+        self.held += token_ids
+        for n in range(max_tokens):
+            pieces = self.engine.next_pieces(self.held)
+            if not pieces:
+                yield ChunkOutput([], finish="stop", eos=True)
+                return
+            await asyncio.sleep(self.engine.delay_s)
+            tid = pieces[0]
+            if tid in pause_ids or n == max_tokens - 1:
+                yield ChunkOutput([tid], finish="stop" if tid in pause_ids else "length", decode_steps=n)  # not held
+                return
+            self.held.append(tid)
+            yield ChunkOutput([tid])
+
+    async def close(self) -> None:
+        self.closed = True

@@ -43,7 +43,7 @@ VLLM_MODE = "vllm-large"
 class BenchSettings(PaperSampling):
     dataset: str = Field("toy", description="the prompts (graded for pass@1): toy, math500, gsm8k or jsonl:PATH")
     concurrency: list[int] = Field(default_factory=lambda: [1, 8])
-    requests_per_level: int = Field(24, ge=1, description="requests per mode, concurrency and round (at least the concurrency)")
+    requests_per_level: int = Field(32, ge=1, description="requests per mode, concurrency and round (at least the concurrency)")
     rounds: int = Field(3, ge=1, description="every mode at every concurrency once a round")
     seed: int = 0
     max_tokens: int = 256
@@ -53,6 +53,9 @@ class BenchSettings(PaperSampling):
         None, ge=1, description="also run relay at the top concurrency with router.max_small_in_flight set to this"
     )
     compare_transports: bool = Field(False, description="also run relay with router.transport: handle")
+    compare_resumable: bool = Field(
+        False, description="also run relay with router.resumable_requests: false (a new engine request per segment)"
+    )
 
 
 def default_pair() -> AppConfig:
@@ -63,12 +66,14 @@ def default_pair() -> AppConfig:
 # ---- requests ------------------------------------------------------------------------------------
 
 
-def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem]) -> list[dict[str, Any]]:
+def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem], round_: int = 0) -> list[dict[str, Any]]:
+    """One request per problem; the seeds are the same for every mode of a round and differ
+    between rounds (so pass@1 counts every round's samples)."""
     relay_serve = mode != VLLM_MODE
     return [
         chat_body(
             model, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=s.seed + i, relay_trace=True if relay_serve else None,
+            seed=s.seed + 1000 * round_ + i, relay_trace=True if relay_serve else None,
         )
         for i, p in enumerate(problems)
     ]  # fmt: skip
@@ -107,7 +112,7 @@ def graded(results: list[dict[str, Any]], problems: list[Problem]) -> list[dict[
 def measure(base: str, model: str, mode: str, s: BenchSettings, problems: list[Problem], c: int, round_: int) -> RunMetrics:
     n = max(c, s.requests_per_level)
     chosen = [problems[i % len(problems)] for i in range(n)]
-    results, wall = asyncio.run(fire(base, _bodies(s, mode, model, chosen), c))
+    results, wall = asyncio.run(fire(base, _bodies(s, mode, model, chosen, round_), c))
     return run_metrics(mode, c, round_, graded(results, chosen), wall)
 
 
@@ -122,14 +127,15 @@ def calibrate(cfg: AppConfig, out: Path, progress: bool) -> None:
 
 
 @contextlib.contextmanager
-def targets(cfg: AppConfig, s: BenchSettings, out: Path) -> Iterator[dict[str, tuple[str, str]]]:
-    """Each mode's (base URL, model id): the relay app started here, and vLLM's server."""
+def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[dict[str, tuple[str, str]]]:
+    """Each mode's (base URL, model id): the relay app started here on ``port`` (Serve's one
+    HTTP port), and vLLM's server."""
     from ray import serve
 
     from relay_serve.bench.vllm_baseline import VLLMServer
     from relay_serve.serve.local import free_port, start
 
-    base = start(cfg, port=free_port())
+    base = start(cfg, port=port)
     found = {mode: (base, mode) for mode in MODES}
     try:
         if s.vllm_baseline:
@@ -161,12 +167,12 @@ def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[P
     return runs
 
 
-def variant_runs(cfg: AppConfig, s: BenchSettings, problems: list[Problem], baseline: list[RunMetrics]) -> dict[str, list[RunMetrics]]:
+def variant_runs(cfg: AppConfig, s: BenchSettings, problems: list[Problem], baseline: list[RunMetrics], port: int) -> dict[str, list[RunMetrics]]:
     """relay on apps that differ in one setting, each beside the main rounds' relay run (its median
     round) at the same concurrency."""
     from ray import serve
 
-    from relay_serve.serve.local import free_port, start
+    from relay_serve.serve.local import start
 
     variants = []
     if s.small_queue_bound is not None:
@@ -177,9 +183,13 @@ def variant_runs(cfg: AppConfig, s: BenchSettings, problems: list[Problem], base
         handle = cfg.model_copy(deep=True)
         handle.router.transport = "handle"
         variants.append(("transports", "relay (handle)", handle, sorted(s.concurrency)))
+    if s.compare_resumable:
+        per_segment = cfg.model_copy(deep=True)
+        per_segment.router.resumable_requests = False
+        variants.append(("resumable", "relay (a request per segment)", per_segment, sorted(s.concurrency)))
     sections: dict[str, list[RunMetrics]] = {}
     for name, label, variant, levels in variants:
-        base = start(variant, port=free_port())
+        base = start(variant, port=port)
         asyncio.run(fire(base, _bodies(s, "relay", "relay", problems[:4]), 4))
         rows = []
         for c in levels:
@@ -206,21 +216,22 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
     from relay_serve.bench.render import markdown, plots
     from relay_serve.client import api_headers
     from relay_serve.eval.datasets import load_problems
-    from relay_serve.serve.local import init_ray
+    from relay_serve.serve.local import free_port, init_ray
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
     cfg = (cfg or default_pair()).model_copy(deep=True)
     problems = load_problems(s.dataset, max(max(s.concurrency), s.requests_per_level), seed=s.seed)
     init_ray(cfg.env_vars)
+    port = free_port()
     try:
         if s.calibrate:
             cfg.cues.store_uri = (out / "cues").absolute().as_uri()
             calibrate(cfg, out, progress)
-        with targets(cfg, s, out) as found:
+        with targets(cfg, s, out, port) as found:
             cues = httpx.get(found["relay"][0] + "/v1/relay/cues", headers=api_headers(), timeout=30).json()
             runs = rounds(found, s, problems, progress)
-        sections = variant_runs(cfg, s, problems, runs)
+        sections = variant_runs(cfg, s, problems, runs, port)
     finally:
         serve.shutdown()
         ray.shutdown()

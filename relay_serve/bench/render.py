@@ -52,6 +52,10 @@ def markdown(report: BenchReport) -> str:
                 f"{s.pass_at_1:.3f} | {s.small_token_share.text()} | {s.switches_per_request.text()} | {s.false_stops_per_request.text()} | "
                 f"{s.cached_prompt_token_ratio.text()} | {s.router_overhead_per_switch_ms_p50.text()} | {dec} | {s.errors} |"
             )
+    errors = [run for run in r.runs if run.errors]
+    if errors:
+        lines += ["", "Failed requests (the first error of each run):", ""]
+        lines += [f"- {run.mode} at concurrency {run.concurrency}, round {run.round}: {run.errors} failed; {run.first_error}" for run in errors]
     lines += [
         "",
         "Where a relay request's time goes (ms, mean a request): its tokens at their models' decode cost, the rest of the time "
@@ -85,7 +89,7 @@ def markdown(report: BenchReport) -> str:
 SECTION_TITLES = {
     "overload": "Overload: relay without and with a bound on small-model segments in flight (router.max_small_in_flight); past it the large model keeps the handoff",
     "transports": "Relay by transport: segments over the leased replica's channel (direct) or a Ray Serve handle call each (handle)",
-    "sessions": "Relay with one resumable engine request per model and generation (sessions) against a new engine request per segment",
+    "resumable": "Relay with one resumable engine request per model and generation (the default) against a new engine request per segment",
 }
 
 

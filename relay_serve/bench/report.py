@@ -69,6 +69,7 @@ class RunMetrics(BaseModel):
     round: int
     requests: int
     errors: int
+    first_error: str | None = None
     latency_p50_s: float | None
     latency_p90_s: float | None
     latency_mean_s: float | None
@@ -101,6 +102,7 @@ def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str
         round=round_,
         requests=len(results),
         errors=len(results) - len(ok),
+        first_error=next((r["_error"][:300] for r in results if "_error" in r), None),
         latency_p50_s=_round(pct(lat, 0.5)) if lat else None,
         latency_p90_s=_round(pct(lat, 0.9)) if lat else None,
         latency_mean_s=_round(statistics.fmean(lat)) if lat else None,

@@ -1,20 +1,58 @@
 """The engine interface a ModelServer wraps. Implemented by VLLMEngine (vllm_engine.py, the only
-module that imports vLLM) and by fakes in the tests."""
+module that imports vLLM) and by fakes in the tests.
+
+Besides one request per segment (``generate``), an engine may offer *resumable* requests
+(``resumable``): one engine request that pauses at the end of every chunk of input and resumes
+with the next, keeping its KV cache in between. ``session.py`` drives a relay generation's segments
+on one model through such a request.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
 
 
 class EngineInfo(BaseModel):
     model: str
     max_model_len: int
     tokenizer_fingerprint: str = Field(description="sha256 of the tokenizer's vocabulary and added tokens")
+
+
+@dataclass
+class ChunkOutput:
+    """New output of a resumable request's current chunk; the last one has ``finish`` set."""
+
+    token_ids: list[int]
+    finish: Literal["stop", "length"] | None = None  # stop: after a pause token or EOS
+    eos: bool = False
+    cached_tokens: int = 0  # of the chunk's input, served from the prefix cache (a fresh request's first chunk)
+    ttft_s: float | None = None  # the chunk's time from receipt to its first token
+    decode_s: float | None = None  # from the chunk's first token to its last
+    decode_steps: int = 0
+
+
+class ResumableRequest(ABC):
+    """One engine request fed in chunks: each chunk appends token ids to the request's context and
+    generates until a pause token, EOS or the chunk's ``max_tokens``, then the request waits for
+    the next chunk with its KV cache held. The last token a chunk sampled is not in that cache
+    (a next chunk that keeps it feeds it again)."""
+
+    @abstractmethod
+    def chunk(
+        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+    ) -> AsyncIterator[ChunkOutput]:
+        """Feed ``token_ids`` and stream what the request writes until this chunk ends."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """End the request (aborted in the engine; its KV cache is freed)."""
 
 
 class Engine(ABC):
@@ -25,10 +63,21 @@ class Engine(ABC):
         """Stream the output of one request; closing the iterator aborts it. Without ``stream``
         the engine may deliver the whole output as one final chunk."""
 
-    @abstractmethod
-    async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
-        """Teacher-forced scoring: for each position ``i >= start`` of ``token_ids``, the ``top_k``
-        largest log-probabilities of the model's distribution for token ``i`` given ``token_ids[:i]``."""
+    def can_resume(self) -> bool:
+        """Whether this engine offers resumable requests (else every segment is a request of its own)."""
+        return False
+
+    def resumable(self, request_id: str) -> ResumableRequest:
+        """A new resumable request (engines whose ``can_resume`` is true)."""
+        raise NotImplementedError
+
+    def token_texts(self) -> list[str]:
+        """The text of every token id alone (for the pause tokens of stop strings)."""
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids, as the engine's own stop-string check would see it."""
+        raise NotImplementedError
 
     @abstractmethod
     def info(self) -> EngineInfo: ...

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
-from relay_serve.engine.base import Engine, EngineInfo
-from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
+from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
 from relay_serve.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -22,23 +23,21 @@ class VLLMEngine(Engine):
         self.model = model
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args))
         self._max_model_len = int(self.engine.model_config.max_model_len)
-        self._fingerprint = tokenizer_fingerprint(_hf_tokenizer(self.engine))
+        self._tokenizer = _hf_tokenizer(self.engine)
+        self._fingerprint = tokenizer_fingerprint(self._tokenizer)
+        # Upstream reports crashes of resumable (streaming-input) requests with speculative decoding.
+        self._resumable = not args.get("speculative_config")
 
     def info(self) -> EngineInfo:
         return EngineInfo(model=self.model, max_model_len=self._max_model_len, tokenizer_fingerprint=self._fingerprint)
 
     async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        s = request.sampling
-        params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else 0,
-            seed=s.seed,
+        params = _sampling_params(
+            request.sampling,
+            request.max_tokens,
             stop=request.stop or None,
             include_stop_str_in_output=True,
             skip_special_tokens=True,
@@ -56,27 +55,20 @@ class VLLMEngine(Engine):
                 )
                 chunk.stop_reason = comp.stop_reason
                 chunk.cached_tokens = int(out.num_cached_tokens or 0)
-                chunk.ttft_s, chunk.decode_s = _timing(out)
+                chunk.ttft_s, chunk.decode_s, chunk.decode_steps = _timing(out)
             yield chunk
 
-    async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
-        import uuid
+    def can_resume(self) -> bool:
+        return self._resumable
 
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+    def resumable(self, request_id: str) -> ResumableRequest:
+        return VLLMResumable(self.engine, request_id)
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, f"score-{uuid.uuid4().hex}"):
-            final = out
-        if final is None or final.prompt_logprobs is None:
-            raise RuntimeError("the engine returned no prompt logprobs")
-        rows = []
-        for i in range(max(1, start), len(token_ids)):
-            entry = final.prompt_logprobs[i] or {}
-            rows.append(sorted((lp.logprob for lp in entry.values()), reverse=True)[:top_k])
-        return rows
+    def token_texts(self) -> list[str]:
+        return [self._tokenizer.decode([i]) for i in range(len(self._tokenizer))]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -85,13 +77,100 @@ class VLLMEngine(Engine):
         self.engine.shutdown()
 
 
-def _timing(out) -> tuple[float | None, float | None]:
-    """Time to first token (from the request's arrival at the engine) and decode time (first token
-    to last) from vLLM's request statistics; None when the engine keeps none (disable_log_stats)."""
+class VLLMResumable(ResumableRequest):
+    """A vLLM streaming-input request (``AsyncLLM.generate`` over an async generator of
+    ``StreamingInput``): chunks go in through a queue; one task reads the request's outputs."""
+
+    def __init__(self, engine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._inputs: asyncio.Queue = asyncio.Queue()
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    async def _input_stream(self):
+        while (item := await self._inputs.get()) is not None:
+            yield item
+
+    async def _pump(self, params) -> None:
+        try:
+            async for out in self.engine.generate(self._input_stream(), params, self.request_id):
+                self._outputs.put_nowait(out)
+            self._outputs.put_nowait(RuntimeError("the resumable request ended"))
+        except asyncio.CancelledError:
+            self._outputs.put_nowait(RuntimeError("the resumable request was closed"))
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the chunk that waits
+            self._outputs.put_nowait(e)
+
+    async def chunk(self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings) -> AsyncIterator[ChunkOutput]:
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._closed:
+            raise RuntimeError("the resumable request is closed")
+        params = _sampling_params(
+            sampling, max_tokens, stop_token_ids=sorted(pause_ids) or None, detokenize=False, output_kind=RequestOutputKind.DELTA
+        )
+        self._inputs.put_nowait(StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids), sampling_params=params))
+        if self._task is None:
+            self._task = asyncio.create_task(self._pump(params))
+        written, last_id = 0, None
+        while True:
+            out = await self._outputs.get()
+            if isinstance(out, BaseException):
+                raise out
+            comp = out.outputs[0]
+            written += len(comp.token_ids)
+            last_id = comp.token_ids[-1] if comp.token_ids else last_id
+            if comp.finish_reason is None:
+                yield ChunkOutput(token_ids=list(comp.token_ids))
+                continue
+            if comp.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"the resumable request ended a chunk with {comp.finish_reason!r}")
+            ttft_s, decode_s, steps = _timing(out, written)
+            yield ChunkOutput(
+                token_ids=list(comp.token_ids),
+                finish=comp.finish_reason,
+                # not stop_reason: a resumable request keeps the stop token of an earlier chunk there
+                eos=comp.finish_reason == "stop" and last_id not in pause_ids,
+                cached_tokens=int(out.num_cached_tokens or 0),
+                ttft_s=ttft_s,
+                decode_s=decode_s,
+                decode_steps=steps or 0,
+            )
+            return
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            await self.engine.abort(self.request_id)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _sampling_params(s: SamplingSettings, max_tokens: int, **kwargs: Any):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0, seed=s.seed, **kwargs
+    )
+
+
+def _timing(out, tokens: int | None = None) -> tuple[float | None, float | None, int | None]:
+    """Time to first token (from the request's, or the chunk's, arrival at the engine), decode time
+    (its first token to its last) and the decode steps in it, from vLLM's request statistics; None
+    when the engine keeps none (disable_log_stats). ``tokens``: those the chunk wrote (a resumable
+    request's statistics count every chunk's)."""
     stats = getattr(out, "metrics", None)
     if stats is None or not getattr(stats, "first_token_ts", 0.0):
-        return None, None
-    return float(stats.first_token_latency), float(stats.last_token_ts - stats.first_token_ts)
+        return None, None, None
+    written = stats.num_generation_tokens if tokens is None else tokens
+    return float(stats.first_token_latency), float(stats.last_token_ts - stats.first_token_ts), max(0, written - 1)
 
 
 def _hf_tokenizer(engine):

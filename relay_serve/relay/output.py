@@ -95,6 +95,15 @@ class Output:
         while len(self._runs) > 1 and self._runs[-1].start >= cut:
             self._runs.pop()
 
+    def drop_silent_tail(self) -> int:
+        """Drop trailing tokens that wrote no text (a special token such as EOS; not the pieces of a
+        character still being decoded); how many."""
+        n = 0
+        while self.ids and self._pending == 0 and self.starts[-1] == len(self.text) and not self.codec.decode(self.ids[-1:]):
+            del self.ids[-1], self.owners[-1], self.starts[-1]
+            n += 1
+        return n
+
     # ---- reading -------------------------------------------------------------------------------
 
     def count(self, model: ModelRole) -> int:

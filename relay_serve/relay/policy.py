@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from relay_serve.relay.session import SegmentOutcome, Session, SmallModelUnavailable
+from relay_serve.relay.session import Policy, SegmentOutcome, Session, SmallModelUnavailable
 from relay_serve.relay.text import SENTENCE_STOPS, cue_stop_strings, find_cue
 from relay_serve.relay.types import ModelRole
 
@@ -46,10 +46,10 @@ class SingleModel:
 
     def __init__(self, model: ModelRole) -> None:
         self.model = model
-        self.prefetch: tuple[ModelRole, ...] = (model,)  # the models a generation will surely use
+        self.prefetch: tuple[ModelRole, ...] = (model,)
 
     async def run(self, s: Session) -> None:
-        out = await s.segment(self.model, [], s.left)
+        out = await s.write(self.model, s.left)
         s.finish(out.finish_reason)
 
 
@@ -66,23 +66,21 @@ class RelayGen:
         self.small_stops = list(SENTENCE_STOPS) + [settings.think_close]
 
     async def run(self, s: Session) -> None:
-        state = "answer" if self._closed(s) else "think"
-        while state == "think" and not s.done:
+        while not s.done and not self._closed(s):
             cue = await self.large_turn(s)
             if cue is None:
                 break
-            state = await self.small_sentence(s, cue)
-        if s.done or state == "ended":
+            await self.small_sentence(s, cue)
+        if s.done:
             return
-        if not self._closed(s):
-            if s.left <= 0:
-                s.finish("length")
-                return
+        if self._closed(s):
+            await self.answer(s, cue=self.settings.think_close)
+        elif s.left <= 0:
+            s.finish("length")
+        else:  # the reasoning budget is spent: close it, and answer in the reserve
             answerer = "large" if s.backend.small_refusal() is not None else "small"
             s.force_text(self.settings.think_close, answerer, cue=self.settings.think_close)
             await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
-            return
-        await self.answer(s, cue=self.settings.think_close)
 
     def _closed(self, s: Session) -> bool:
         return self.settings.think_close in s.output.text
@@ -98,7 +96,7 @@ class RelayGen:
         stops = self.cue_stops + [self.settings.think_close]
         written = 0
         while (budget := self._reasoning_budget(s)) > 0:
-            out = await s.segment("large", stops, budget)
+            out = await s.write("large", budget, stops, word_stops=self.cue_stops)
             written += len(out.token_ids)
             if s.done or self._closed(s):
                 return None
@@ -108,11 +106,12 @@ class RelayGen:
             if not out.hit_stop_string:
                 return None  # the reasoning budget is spent
             cue = self._cue_at_end(s, out)
-            if cue is not None and written >= self.settings.min_large_tokens:
+            if cue is None:
+                s.usage.false_stops += 1  # a raw substring that is no cue ("know," for "now,"): go on
+            elif written >= self.settings.min_large_tokens:
                 if not self._small_refused(s):
                     return cue
                 written = 0  # the large model writes this sentence too; the next cue may hand off
-            # a raw substring that is no cue ("know," for "now,"), or a cue too soon: go on
         return None
 
     def _cue_at_end(self, s: Session, out: SegmentOutcome) -> str | None:
@@ -124,29 +123,21 @@ class RelayGen:
             last, pos = match, match.start + 1
         return None if last is None or last.end <= out.text_start else last.cue
 
-    async def small_sentence(self, s: Session, cue: str) -> str:
-        """The small model finishes the sentence the cue opened; if it fails, the large model
-        does (the text the small one streamed stays).
-
-        Returns "answer" when it closed the reasoning, "ended" when the output ended, else "think".
-        """
+    async def small_sentence(self, s: Session, cue: str) -> None:
+        """The small model finishes the sentence the cue opened; the large model takes over at its
+        end, or when the small model fails (the text it streamed stays) or ends its turn (EOS, a
+        mistake in the middle of the reasoning: the large model goes on)."""
         budget = min(self.settings.max_small_segment_tokens, self._reasoning_budget(s))
         if budget <= 0:
-            return "think"
+            return
         try:
             # No retry: the large model finishing the sentence is quicker than waiting for a replica.
-            out = await s.segment("small", self.small_stops, budget, cue=cue, sentence=True, retries=0, guarded=True)
+            out = await s.sentence("small", budget, self.small_stops, cue)
         except SmallModelUnavailable as e:
             self._degrade(s, str(e))
-            return "think"
-        if s.done:
-            return "ended"
-        if self._closed(s):
-            return "answer"
-        if out.hit_eos:
-            s.finish("stop")
-            return "ended"
-        return "think"
+            return
+        if out.hit_eos and not s.done:
+            s.take_back_silent_tokens()  # the end-of-sequence token is no part of the reasoning
 
     def _small_refused(self, s: Session) -> bool:
         """Whether the backend refuses a small-model segment now (counted as a kept handoff)."""
@@ -162,12 +153,13 @@ class RelayGen:
         s.usage.degraded_reason = s.usage.degraded_reason or reason
 
     async def answer(self, s: Session, cue: str | None) -> None:
+        """The small model writes the answer (the large one when the small one cannot)."""
         if s.left <= 0:
             s.finish("length")
             return
         if not self._small_refused(s):
             try:
-                out = await s.segment("small", [], s.left, cue=cue, guarded=True)
+                out = await s.answer("small", cue, optional=True)
                 s.finish(out.finish_reason)
                 return
             except SmallModelUnavailable as e:
@@ -175,7 +167,7 @@ class RelayGen:
             if s.done or s.left <= 0:
                 s.finish("length")
                 return
-        out = await s.segment("large", [], s.left, cue=cue)
+        out = await s.answer("large", cue)
         s.finish(out.finish_reason)
 
 
@@ -195,7 +187,7 @@ class SpeculativeThinking:
 
     async def run(self, s: Session) -> None:
         close = self.settings.think_close
-        out = await s.segment("small", self.stops, s.left)
+        out = await s.write("small", s.left, self.stops)
         while not s.done and close not in s.output.text:
             if out.hit_eos:
                 s.finish("stop")
@@ -206,22 +198,22 @@ class SpeculativeThinking:
             if out.hit_stop_string:  # at a paragraph break
                 out = await self.next_stretch(s)
             else:  # a stretch cut short of a break: the small model goes on to one
-                out = await s.segment("small", self.stops, s.left)
+                out = await s.write("small", s.left, self.stops)
         if s.done:
             return
-        out = await s.segment("small", [], s.left, cue=close)
+        out = await s.answer("small", cue=close)
         s.finish(out.finish_reason)
 
     async def next_stretch(self, s: Session) -> SegmentOutcome:
-        draft = await s.segment("small", self.stops, self.settings.draft_tokens, commit=False)
+        draft = await s.draft("small", self.settings.draft_tokens, self.stops)
         if self.reflection.search(draft.text):
             s.discard(draft)
-            return await s.segment("large", self.stops, self.settings.large_stretch_tokens)
+            return await s.write("large", self.settings.large_stretch_tokens, self.stops)
         s.commit(draft)
         return draft
 
 
-def make_policy(name: PolicyName, settings: PolicySettings, cues: list[str]):
+def make_policy(name: PolicyName, settings: PolicySettings, cues: list[str]) -> Policy:
     if name == "relay":
         return RelayGen(settings, cues)
     if name == "speculative-thinking":

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from relay_serve.relay.output import Output
 from relay_serve.relay.text import sentence_end
@@ -27,6 +28,7 @@ from relay_serve.relay.types import (
     RelayUsage,
     SamplingSettings,
     SegmentRequest,
+    Streaming,
     TextCodec,
     TextDelta,
 )
@@ -62,6 +64,30 @@ class SegmentOutcome:
         return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
+class Policy(Protocol):
+    """Who writes the next segment (``policy.py``)."""
+
+    prefetch: tuple[ModelRole, ...]  # the models every generation will use: the backend may get them ready
+
+    async def run(self, session: Session) -> None:
+        """Write the whole generation through ``session``'s steps."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one segment runs (what the named steps of :class:`Session` set)."""
+
+    model: ModelRole
+    stop: list[str]
+    word_stops: list[str]
+    max_tokens: int
+    cue: str | None  # the cue (or </think>) that opened the segment, for the trace
+    commit: bool = True  # False: a draft, returned and not added to the output
+    sentence: bool = False  # end at the sentence end (take back a token that starts the next)
+    optional: bool = False  # the small model's relay work: a deadline for its first reply
+    retries: int | None = None  # default: the session's
+
+
 @dataclass
 class Session:
     """One generation: ``prompt_ids`` continued for at most ``max_tokens`` tokens."""
@@ -76,7 +102,7 @@ class Session:
     cue_set_version: str | None = None
     retries: int = 2
     retry_backoff_s: float = 0.2
-    small_timeout_s: float | None = None  # the deadline of guarded small-model segments
+    small_timeout_s: float | None = None  # the deadline for the first reply of optional small-model work
     output: Output = field(init=False)
     usage: RelayUsage = field(init=False)
     finish_reason: FinishReason | None = None
@@ -105,87 +131,86 @@ class Session:
         if self.finish_reason is None:
             self.finish_reason = "stop" if self.output.stopped else reason
 
-    async def segment(
-        self,
-        model: ModelRole,
-        stop: list[str],
-        max_tokens: int,
-        cue: str | None = None,
-        commit: bool = True,
-        sentence: bool = False,
-        retries: int | None = None,
-        guarded: bool = False,
-    ) -> SegmentOutcome:
-        """Run one segment over the current context.
+    # The steps a policy takes. Each runs one segment over the whole context (the prompt and all
+    # that was written), so that a model's prefix cache, or its resumable request, makes it cheap.
 
-        With ``commit`` the tokens join the output as they arrive (and stream to the client, one
-        token behind); without it (a draft) they are only returned. With ``sentence`` a token that
-        begins the next sentence is taken back (:meth:`end_at_sentence`). User stop strings are
-        always added. A ``guarded`` segment (the relay's small-model work) that gets no first
-        reply within the session's ``small_timeout_s`` raises :class:`SmallModelUnavailable`.
+    async def write(self, model: ModelRole, max_tokens: int, stop: Sequence[str] = (), cue: str | None = None,
+                    word_stops: Sequence[str] = ()) -> SegmentOutcome:  # fmt: skip
+        """``model`` writes, committed as it comes, until a stop string (a ``word_stops`` one only
+        at a word start, where the engine can tell), EOS or ``max_tokens``."""
+        return await self._segment(_Plan(model, list(stop), list(word_stops), max_tokens, cue))
 
-        An engine request that fails (its replica died, its stream ended unfinished) is sent again
-        over the context as it now stands, with the tokens it still owes: the text already written
-        stays and nothing is written twice. After ``retries`` (default: the session's) further
-        failures the segment raises :class:`SmallModelUnavailable` for the small model (policies
-        can hand its work to the large one) or :class:`EngineError`.
-        """
-        max_tokens = min(max_tokens, self.left)
+    async def sentence(self, model: ModelRole, max_tokens: int, stop: Sequence[str], cue: str) -> SegmentOutcome:
+        """``model`` (the small one) finishes the sentence ``cue`` opened: a token that begins the
+        next sentence is taken back (:meth:`end_at_sentence`). Optional work: no retry, and no
+        first reply within ``small_timeout_s`` raises :class:`SmallModelUnavailable`."""
+        return await self._segment(_Plan(model, list(stop), [], max_tokens, cue, sentence=True, optional=True, retries=0))
+
+    async def answer(self, model: ModelRole, cue: str | None, optional: bool = False) -> SegmentOutcome:
+        """``model`` writes the rest (the answer after the reasoning): no stop string but the
+        user's, the whole budget. ``optional``: the small model's relay work, under the deadline."""
+        return await self._segment(_Plan(model, [], [], self.left, cue, optional=optional))
+
+    async def draft(self, model: ModelRole, max_tokens: int, stop: Sequence[str] = ()) -> SegmentOutcome:
+        """``model`` writes a draft: returned, not committed (:meth:`commit` or :meth:`discard` it)."""
+        return await self._segment(_Plan(model, list(stop), [], max_tokens, None, commit=False))
+
+    async def _segment(self, plan: _Plan) -> SegmentOutcome:
+        """Run one segment. An engine request that fails (its replica died, its stream ended
+        unfinished) is sent again over the context as it now stands, for the tokens it still owes:
+        the text already written stays and nothing is written twice. After ``plan.retries`` (default:
+        the session's) further failures the segment raises :class:`SmallModelUnavailable` for the
+        small model (policies can hand its work to the large one) or :class:`EngineError`."""
+        max_tokens = min(plan.max_tokens, self.left)
         if max_tokens <= 0:
-            return SegmentOutcome(model, [], "", "length", None, len(self.output.text))
-        if commit:
-            self.output.start_run(model, cue=cue)
+            return SegmentOutcome(plan.model, [], "", "length", None, len(self.output.text))
+        if plan.commit:
+            self.output.start_run(plan.model, cue=plan.cue)
         start_text, start_tokens = len(self.output.text), len(self.output.ids)
         tokens: list[int] = []
-        allowed = self.retries if retries is None else retries
-        failures = 0
-        while True:
-            try:
-                timeout_s = self.small_timeout_s if guarded else None
-                last = await self._engine_request(model, stop, max_tokens - len(tokens), tokens, commit, timeout_s)
-                break
-            except SmallModelUnavailable:
-                raise  # the backend knows the deployment cannot answer now: no point asking again
-            except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
-                failures += 1
-                log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, model, failures, allowed, e)
-                if failures > allowed:
-                    failed = f"the {model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
-                    raise (SmallModelUnavailable if model == "small" else EngineError)(failed) from e
-                self.usage.retries += 1
-                await asyncio.sleep(self.retry_backoff_s * failures)
-            if self.output.stopped or len(tokens) >= max_tokens:
-                last = EngineChunk(finished=True, finish_reason="stop" if self.output.stopped else "length")
-                break
-        outcome_reason: FinishReason = last.finish_reason or "stop"
-        if commit and sentence and outcome_reason == "stop" and isinstance(last.stop_reason, str):
+        last = await self._with_retries(plan, max_tokens, tokens)
+        if plan.commit and plan.sentence and last.finish_reason == "stop" and isinstance(last.stop_reason, str):
             self.end_at_sentence(start_text)
-        if commit:
-            self._emit(model)
+        if plan.commit:
+            self._emit(plan.model)
             text = self.output.text[start_text:]
             tokens = self.output.ids[start_tokens:]
         else:
             text = self.codec.decode(self.output.ids[-8:] + tokens)[len(self.codec.decode(self.output.ids[-8:])) :]
         reason: FinishReason = last.finish_reason or ("stop" if self.output.stopped else "abort")
-        return SegmentOutcome(model, tokens, text, reason, last.stop_reason, start_text)
+        return SegmentOutcome(plan.model, tokens, text, reason, last.stop_reason, start_text)
 
-    async def _engine_request(
-        self,
-        model: ModelRole,
-        stop: list[str],
-        max_tokens: int,
-        tokens: list[int],
-        commit: bool,
-        timeout_s: float | None,
-    ) -> EngineChunk:
+    async def _with_retries(self, plan: _Plan, max_tokens: int, tokens: list[int]) -> EngineChunk:
+        allowed = self.retries if plan.retries is None else plan.retries
+        failures = 0
+        while True:
+            try:
+                last = await self._engine_request(plan, max_tokens - len(tokens), tokens)
+            except SmallModelUnavailable:
+                raise  # the backend knows the deployment cannot answer now: no point asking again
+            except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
+                failures += 1
+                log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, plan.model, failures, allowed, e)
+                if failures > allowed:
+                    failed = f"the {plan.model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
+                    raise (SmallModelUnavailable if plan.model == "small" else EngineError)(failed) from e
+                self.usage.retries += 1
+                await asyncio.sleep(self.retry_backoff_s * failures)
+                if not (self.output.stopped or len(tokens) >= max_tokens):
+                    continue
+                last = EngineChunk(finished=True, finish_reason="stop" if self.output.stopped else "length")
+            return last
+
+    async def _engine_request(self, plan: _Plan, max_tokens: int, tokens: list[int]) -> EngineChunk:
         """One engine request continuing the context (and ``tokens``, a draft's so far); appends
-        what arrives to ``tokens`` (and the output, with ``commit``). Returns the last chunk."""
-        context = self.prompt_ids + self.output.ids + ([] if commit else tokens)
+        what arrives to ``tokens`` (and the output, when the plan commits). Returns the last chunk."""
+        context = self.prompt_ids + self.output.ids + ([] if plan.commit else tokens)
         request = SegmentRequest(
-            model=model,
+            model=plan.model,
             prompt_token_ids=context,
             max_tokens=max_tokens,
-            stop=list(dict.fromkeys(stop + self.user_stops)),
+            stop=list(dict.fromkeys(plan.stop + self.user_stops)),
+            word_stops=plan.word_stops,
             sampling=self.sampling.for_segment(self.usage.engine_requests),
             session_id=self.session_id,
         )
@@ -193,33 +218,39 @@ class Session:
         got: list[int] = []
         last = EngineChunk()
         t0 = time.perf_counter()
-        stream = self.backend.generate(request, stream=self._events is not None and commit, timeout_s=timeout_s)
+        # Optional work sends its first token at once even to a client that does not stream: the
+        # deadline bounds that first reply, not the whole segment.
+        stream: Streaming = (self._events is not None and plan.commit) or ("first" if plan.optional else False)
+        deadline = self.small_timeout_s if plan.optional else None
+        chunks = self.backend.generate(request, stream=stream, timeout_s=deadline)
         try:
-            async for chunk in stream:
+            async for chunk in chunks:
                 last = chunk
                 got += chunk.token_ids
                 tokens += chunk.token_ids
-                if commit and chunk.token_ids:
-                    self.output.append(chunk.token_ids, model)
-                    self._emit(model, hold_last_token=True)
+                if plan.commit and chunk.token_ids:
+                    self.output.append(chunk.token_ids, plan.model)
+                    self._emit(plan.model, hold_last_token=True)
                     if self.output.stopped:
                         break
         finally:
-            await _aclose(stream)
+            await _aclose(chunks)  # closing early aborts the engine request
         if not self.output.stopped and (not last.finished or last.finish_reason == "abort"):
-            raise EngineError(f"the {model} model's request ended without finishing")
+            raise EngineError(f"the {plan.model} model's request ended without finishing")
         self.usage.cached_prompt_tokens += last.cached_tokens
         self.engine_log.append(
             EngineRequestRecord(
-                model=model,
+                model=plan.model,
                 replica_id=last.replica_id,
                 prompt_tokens=len(context),
                 cached_tokens=last.cached_tokens,
                 output_tokens=len(got),
-                committed=commit,
+                committed=plan.commit,
                 engine_s=last.engine_s,
                 ttft_s=last.ttft_s,
                 decode_s=last.decode_s,
+                decode_steps=last.decode_steps,
+                pauses=last.pauses,
                 wall_s=time.perf_counter() - t0,
             )
         )
@@ -250,6 +281,11 @@ class Session:
                 self.usage.discarded_tokens += len(out.ids) - i
                 out.truncate(out.starts[i])
                 return
+
+    def take_back_silent_tokens(self) -> None:
+        """Drop trailing tokens that wrote no text (an end-of-sequence token), counted as discarded."""
+        n = self.output.drop_silent_tail()
+        self.usage.discarded_tokens += n
 
     def discard(self, outcome: SegmentOutcome) -> None:
         self.usage.discarded_tokens += len(outcome.token_ids)
@@ -284,16 +320,16 @@ class Session:
             engine_requests=list(self.engine_log),
         )
 
-    async def run(self, policy) -> GenerationResult:
+    async def run(self, policy: Policy) -> GenerationResult:
         """Run ``policy`` to the end and return the whole generation."""
         t0 = time.perf_counter()
-        self.backend.prepare(self.session_id, getattr(policy, "prefetch", ()))
+        self.backend.prepare(self.session_id, policy.prefetch)
         await policy.run(self)
         self.finish("stop")
         self.usage.wall_s = time.perf_counter() - t0
         return self.result()
 
-    async def stream(self, policy) -> AsyncIterator[TextDelta | GenerationResult]:
+    async def stream(self, policy: Policy) -> AsyncIterator[TextDelta | GenerationResult]:
         """Run ``policy``, yielding text deltas as they become final, then the result.
 
         Closing this iterator (a client that went away) cancels the policy and its engine request.

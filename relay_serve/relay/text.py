@@ -3,8 +3,9 @@
 - A cue matches only at a word boundary: the character before it is not a letter or digit, and a
   cue that ends in a letter or digit must be followed by white space ("So" never fires inside
   "Some", "now," never inside "know,"). The paper's reference code matches raw substrings.
-- A sentence ends at terminal punctuation followed by white space, or at a blank line. The dot in
-  "3.5" is not a sentence end.
+- A sentence ends at terminal punctuation followed by a space or a newline, or at a blank line. The
+  dot in "3.5" is not a sentence end, nor one followed by a tab or a no-break space: the sentence-end
+  stop strings (``SENTENCE_STOPS``) and the rule (:func:`sentence_end`) agree.
 
 Engines match stop strings as raw substrings; :func:`cue_stop_strings` turns cues into stop strings
 that can only over-match, and :func:`find_cue` is the check that decides whether a stop was real.
@@ -17,8 +18,11 @@ import re
 from dataclasses import dataclass
 
 TERMINALS = ".!?"
-SENTENCE_STOPS = tuple(f"{p}{ws}" for p in TERMINALS for ws in (" ", "\n")) + ("\n\n",)
-_SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\n")
+SENTENCE_SPACES = (" ", "\n")  # what follows terminal punctuation at a sentence end
+# The stop strings and the rule are one definition: a stop the engine reports is the first sentence
+# end the rule finds, so taking back tokens after it never deletes text already streamed.
+SENTENCE_STOPS = tuple(f"{p}{ws}" for p in TERMINALS for ws in SENTENCE_SPACES) + ("\n\n",)
+_SENTENCE_END = re.compile(rf"[{re.escape(TERMINALS)}](?=[{''.join(SENTENCE_SPACES)}])|\n\n")
 
 
 def _is_word_char(ch: str) -> bool:

@@ -10,6 +10,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 ModelRole = Literal["large", "small"]
+Streaming = bool | Literal["first"]  # "first": the first token at once, the rest in one piece
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -41,7 +42,14 @@ class SegmentRequest(BaseModel):
     prompt_token_ids: list[int]
     max_tokens: int = Field(ge=1)
     stop: list[str] = Field(default_factory=list)
+    word_stops: list[str] = Field(
+        default_factory=list,
+        description="those of stop that count only at a word start (cues); an engine that cannot tell stops at any match",
+    )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    resume: bool = Field(
+        False, description="continue the generation's resumable engine request on this replica (its KV kept between segments)"
+    )
     session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
 
 
@@ -57,7 +65,9 @@ class EngineChunk(BaseModel):
     replica_id: str | None = None
     engine_s: float | None = Field(default=None, description="seconds the request spent inside the replica")
     ttft_s: float | None = Field(default=None, description="seconds from the engine's receipt of the request to its first token")
-    decode_s: float | None = Field(default=None, description="seconds from the first token to the last, inside the engine")
+    decode_s: float | None = Field(default=None, description="seconds of decode steps inside the engine (after a first token)")
+    decode_steps: int | None = Field(default=None, description="the decode steps decode_s covers (output tokens - 1 for a plain request)")
+    pauses: int = Field(default=0, description="times a resumable request paused on a possible stop that was none")
 
 
 class Backend(ABC):
@@ -65,12 +75,13 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(
-        self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
+        self, request: SegmentRequest, stream: Streaming = True, timeout_s: float | None = None
     ) -> AsyncIterator[EngineChunk]:
         """The output of one request; closing the iterator early must abort the request. Without
-        ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching).
-        With ``timeout_s`` (small-model segments of the relay) a request without a first chunk by
-        then raises ``SmallModelUnavailable``."""
+        ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching);
+        with ``"first"``, the first token at once and the rest in one chunk. With ``timeout_s``
+        (the small model's relay work) a request without a first token by then raises
+        ``SmallModelUnavailable``."""
 
     def small_refusal(self) -> str | None:
         """Why a small-model segment should not be sent now (its deployment is past its queue
@@ -119,7 +130,9 @@ class EngineRequestRecord(BaseModel):
     committed: bool = Field(description="false for a rejected draft")
     engine_s: float | None = Field(None, description="seconds inside the replica")
     ttft_s: float | None = Field(None, description="seconds from the engine's receipt to the first token (queue and prefill)")
-    decode_s: float | None = Field(None, description="seconds from the first token to the last (output_tokens - 1 steps)")
+    decode_s: float | None = Field(None, description="seconds of decode steps inside the engine")
+    decode_steps: int | None = Field(None, description="the decode steps decode_s covers")
+    pauses: int = Field(0, description="pauses of a resumable request on a possible stop that was none")
     wall_s: float = Field(0.0, description="seconds from the router's call to the last chunk")
 
 
@@ -138,6 +151,9 @@ class RelayUsage(BaseModel):
         default=0, description="handoffs the large model kept: small deployment overloaded, unavailable or failed"
     )
     retries: int = Field(default=0, description="engine requests sent again after a failure (a replica died)")
+    false_stops: int = Field(
+        default=0, description="large-model segments that stopped on a cue's stop string where no cue was (a new engine request)"
+    )
     wall_s: float = Field(0.0, description="seconds the router spent on the generation")
     engine_s: float = Field(0.0, description="of which inside engines (as the replicas measured it)")
 

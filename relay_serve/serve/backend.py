@@ -3,9 +3,11 @@ a leased replica's direct channel, or as Ray Serve handle calls).
 
 Besides passing segments through, it guards the small deployment for the relay policy: the number
 of small-model segments this router replica has in flight (``max_small_in_flight``: past it, the
-large model keeps its handoffs), and a deadline for the small model's first reply
-(the session's ``timeout_s``: a deployment scaled to zero or unreachable is then left alone for
-``small_retry_after_s`` seconds instead of being waited for by every request).
+large model keeps its handoffs), and a deadline for the small model's first token (the session's
+``timeout_s``). A segment that misses it goes to the large model; when no small-model segment of
+this router got a token for that long either (a deployment scaled to zero or unreachable), the
+small deployment is left alone for ``small_retry_after_s`` seconds instead of being waited for by
+every request. One slow reply while others come through takes out only its own segment.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, ModelRole, SegmentRequest
+from relay_serve.relay.types import Backend, EngineChunk, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class ServeBackend(Backend):
         lease_idle_s: float = 2.0,
         lease_max_age_s: float = 30.0,
         in_rotation: Callable[[ModelRole, str], bool] | None = None,
+        resumable: bool = True,
     ) -> None:
         handles = {"large": large, "small": small}
         if transport == "direct":
@@ -45,6 +48,7 @@ class ServeBackend(Backend):
                 idle_s=lease_idle_s,
                 max_age_s=lease_max_age_s,
                 in_rotation=in_rotation,
+                resumable=resumable,
             )
         elif transport == "handle":
             self.transport = HandleTransport(handles, affinity=affinity)
@@ -55,6 +59,7 @@ class ServeBackend(Backend):
         self.in_flight = {"large": 0, "small": 0}
         self._small_down_until = 0.0
         self._small_down_reason = ""
+        self._small_last_reply = float("-inf")  # when a small-model segment last got a chunk
 
     def small_refusal(self) -> str | None:
         n, bound = self.in_flight["small"], self.max_small_in_flight
@@ -73,8 +78,21 @@ class ServeBackend(Backend):
     def stats(self) -> dict[str, int]:
         return self.transport.stats()
 
+    def _small_timed_out(self, timeout_s: float) -> str:
+        """Why a small-model segment missed its deadline; takes the deployment out for a while
+        when none of its segments got a token during that time."""
+        if time.monotonic() - self._small_last_reply < timeout_s:
+            return f"the small model's first token took longer than {timeout_s} s (other small-model segments were answered)"
+        self._small_down_until = time.monotonic() + self.small_retry_after_s
+        self._small_down_reason = (
+            f"the small deployment did not answer within {timeout_s} s (scaled to zero or "
+            f"unreachable); the large model writes its segments for {self.small_retry_after_s} s"
+        )
+        log.warning("%s", self._small_down_reason)
+        return self._small_down_reason
+
     async def generate(
-        self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
+        self, request: SegmentRequest, stream: Streaming = True, timeout_s: float | None = None
     ) -> AsyncIterator[EngineChunk]:
         model = request.model
         deadline = timeout_s  # for the first reply only
@@ -88,18 +106,14 @@ class ServeBackend(Backend):
                 except StopAsyncIteration:
                     break
                 deadline = None
+                if model == "small":
+                    self._small_last_reply = time.monotonic()
                 yield chunk
         except TimeoutError as e:
             self.transport.drop(request.session_id, model)  # a lease still queued in Serve goes too
             if model != "small":
                 raise EngineError(f"{model} deployment: no reply within {timeout_s} s") from e
-            self._small_down_until = time.monotonic() + self.small_retry_after_s
-            self._small_down_reason = (
-                f"the small deployment did not answer within {timeout_s} s (scaled to zero or "
-                f"unreachable); the large model writes its segments for {self.small_retry_after_s} s"
-            )
-            log.warning("%s", self._small_down_reason)
-            raise SmallModelUnavailable(self._small_down_reason) from e
+            raise SmallModelUnavailable(self._small_timed_out(timeout_s)) from e
         except Exception as e:  # noqa: BLE001 - the session decides whether to retry
             raise EngineError(f"{model} deployment: {type(e).__name__}: {e}") from e
         finally:

@@ -9,8 +9,9 @@ generation travel over this channel instead.
 Wire format: frames of a 4-byte big-endian length and a msgpack body (msgspec), at most
 ``MAX_FRAME_BYTES``. The client's first frame is ``{"op": "hello", "token": ...}``: the replica's
 token, handed out only with a lease through Ray Serve; a connection with a wrong token is closed.
-Then, client to replica: ``{"op": "generate", "id", "stream", "request"}`` and
-``{"op": "cancel", "id"}``; replica to client: ``{"id", "chunk"}`` (an EngineChunk as a mapping; a
+Then, client to replica: ``{"op": "generate", "id", "stream", "request"}``, ``{"op": "cancel",
+"id"}`` and ``{"op": "end", "session"}`` (a generation ended: its resumable engine request goes);
+replica to client: ``{"id", "chunk"}`` (an EngineChunk as a mapping; a
 non-streamed request gets one, the whole output) or ``{"id", "error"}``. Requests are multiplexed
 on one connection by id; a closed connection fails every request still open on it, and the replica
 aborts every engine request of a connection that closed.
@@ -19,14 +20,15 @@ aborts every engine request of a connection that closed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
 import secrets
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Hashable
+from typing import Any, Protocol
 
 import msgspec
 
@@ -39,7 +41,19 @@ HELLO_TIMEOUT_S = 10.0
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
-SegmentRunner = Callable[[dict[str, Any], bool], AsyncIterator[dict[str, Any]]]
+
+
+class SegmentHandler(Protocol):
+    """What a SegmentServer serves (the ModelServer); ``peer`` names the connection."""
+
+    def segment(self, request: dict[str, Any], stream: bool, peer: Hashable | None = None) -> AsyncIterator[dict[str, Any]]:
+        """EngineChunk mappings of one segment request (one for a non-streamed request)."""
+
+    async def end_session(self, session_id: str) -> None:
+        """A generation ended."""
+
+    async def peer_closed(self, peer: Hashable) -> None:
+        """A connection closed: what it started is over."""
 
 
 class ChannelError(ConnectionError):
@@ -79,11 +93,10 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
 
 
 class SegmentServer:
-    """Serves segment requests on ``host`` (port 0: any free port) with ``run(request, stream)``,
-    which yields EngineChunk mappings (one for a non-streamed request)."""
+    """Serves segment requests on ``host`` (port 0: any free port) with ``handler``."""
 
-    def __init__(self, run: SegmentRunner, host: str, port: int = 0, token: str | None = None) -> None:
-        self.run = run
+    def __init__(self, handler: SegmentHandler, host: str, port: int = 0, token: str | None = None) -> None:
+        self.handler = handler
         self.host = host
         self.port = port
         self.token = token or secrets.token_urlsafe(24)
@@ -91,6 +104,7 @@ class SegmentServer:
         self.refused = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._peers = itertools.count(1)
 
     @property
     def address(self) -> str:
@@ -115,6 +129,7 @@ class SegmentServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         _no_delay(writer)
         peer = writer.get_extra_info("peername")
+        conn = next(self._peers)
         tasks: dict[int, asyncio.Task] = {}
         self._writers.add(writer)
         try:
@@ -135,12 +150,16 @@ class SegmentServer:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the router closed the connection (or died): its requests go with it
                 op, rid = message.get("op"), message.get("id")
+                if op == "end" and isinstance(message.get("session"), str):
+                    await self.handler.end_session(message["session"])
+                    continue
                 if not isinstance(rid, int):
                     log.warning("segment channel: a message without an id from %s; closing", peer)
                     return
                 if op == "generate" and rid not in tasks:
-                    request, stream = message.get("request"), bool(message.get("stream"))
-                    tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks))
+                    request, stream = message.get("request"), message.get("stream")
+                    stream = stream if stream == "first" else bool(stream)
+                    tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks, conn))
                 elif op == "cancel":
                     task = tasks.pop(rid, None)
                     if task is not None:
@@ -153,16 +172,21 @@ class SegmentServer:
                 task.cancel()
             self._writers.discard(writer)
             writer.close()
+            if tasks:
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await self.handler.peer_closed(conn)
 
-    async def _generate(self, rid: int, request: Any, stream: bool, writer: asyncio.StreamWriter, tasks: dict) -> None:
+    async def _generate(self, rid: int, request: Any, stream: bool | str, writer: asyncio.StreamWriter, tasks: dict, conn: int) -> None:
         try:
             if not isinstance(request, dict):
                 raise ValueError("the request is not a mapping")
-            async for chunk in self.run(request, stream):
-                if writer.is_closing():
-                    return
-                writer.write(pack({"id": rid, "chunk": chunk}))
-                await writer.drain()
+            # aclosing: a cancelled segment closes its engine generator (vLLM aborts) at once, not at GC
+            async with contextlib.aclosing(self.handler.segment(request, stream, conn)) as chunks:
+                async for chunk in chunks:
+                    if writer.is_closing():
+                        return
+                    writer.write(pack({"id": rid, "chunk": chunk}))
+                    await writer.drain()
         except asyncio.CancelledError:
             raise  # cancelled by the router, or its connection closed: nobody waits for a reply
         except Exception as e:  # noqa: BLE001 - reported to the router, which retries or fails the segment
@@ -203,7 +227,12 @@ class Channel:
     def pending(self) -> int:
         return len(self._pending)
 
-    async def request(self, request: dict[str, Any], stream: bool) -> AsyncIterator[dict[str, Any]]:
+    def end_session(self, session_id: str) -> None:
+        """Tell the replica that a generation ended (its resumable engine requests go)."""
+        if self.closed is None:
+            self._writer.write(pack({"op": "end", "session": session_id}))
+
+    async def request(self, request: dict[str, Any], stream: bool | str) -> AsyncIterator[dict[str, Any]]:
         """The replica's EngineChunk mappings for one request; closing early cancels it there."""
         if self.closed is not None:
             raise self.closed
@@ -293,6 +322,11 @@ class ChannelPool:
             raise
         finally:
             self._connecting.pop(address, None)
+
+    def existing(self, address: str) -> Channel | None:
+        """The open connection to ``address``, if any."""
+        channel = self._channels.get(address)
+        return channel if channel is not None and channel.closed is None else None
 
     def drop(self, address: str, reason: str) -> None:
         """Close the connection to ``address`` (its replica is gone): its open requests fail now."""

@@ -1,11 +1,14 @@
 """ModelServer: one engine behind a Ray Serve deployment. Deployed twice ("large", "small").
 
 It knows nothing of relaying: it takes prompt token ids, sampling settings and stop strings and
-streams what the engine generated (token ids, finish and stop reason, cached prompt tokens). It
-also scores a given token sequence for calibration. Segments arrive as Ray Serve calls
-(``generate``, ``complete``) or over its segment channel (``channel.py``), whose address and token
-a router gets by taking a ``lease``. The class is undecorated; ``app.build_app`` binds it with each
-model's own options. The engine class is injected (tests pass a fake).
+streams what the engine generated (token ids, finish and stop reason, cached prompt tokens, the
+engine's timings). Segments arrive as Ray Serve calls (``generate``, ``complete``) or over its
+segment channel (``channel.py``), whose address and token a router gets by taking a ``lease``. A
+segment marked ``resume`` (sent over the channel of a leased replica) continues its generation's
+resumable engine request here (``engine/session.py``), which lives until the router ends the
+generation, its connection closes, or it has been idle for ``SESSION_IDLE_S``. The class is
+undecorated; ``app.build_app`` binds it with each model's own options. The engine class is
+injected (tests pass a fake).
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from relay_serve.engine.base import Engine, EngineInfo
-from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.engine.session import EngineSession
+from relay_serve.engine.stops import PauseTokens
+from relay_serve.relay.types import EngineChunk, SegmentRequest, Streaming
 from relay_serve.serve.channel import SegmentServer
 
 log = logging.getLogger(__name__)
+
+SESSION_IDLE_S = 300.0  # a session no segment used for this long is closed (its router went quiet)
 
 
 def _replica_id() -> str:
@@ -59,35 +66,52 @@ class ModelServer:
         self.replica_id = _replica_id()
         self.requests_in_flight = 0
         self.leases_held = 0
+        self.session_restarts = 0
+        self.sessions: dict[str, EngineSession] = {}
+        self._session_peers: dict[str, Hashable] = {}
+        self.resumable = self.engine.can_resume()
+        self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
         self._channel: SegmentServer | None = None
         self._channel_lock = asyncio.Lock()
-        log.info("ModelServer %s ready on replica %s: %s", role, self.replica_id, self.engine.info())
+        log.info("ModelServer %s ready on replica %s (resumable requests: %s): %s", role, self.replica_id, self.resumable, self.engine.info())
 
-    async def _run(self, request: dict[str, Any], stream: bool) -> AsyncIterator[EngineChunk]:
-        req = SegmentRequest.model_validate(request)
-        request_id = f"{req.session_id}-{uuid.uuid4().hex[:8]}"
+    # ---- segments ------------------------------------------------------------------------------
+
+    async def _run(self, req: SegmentRequest, stream: bool, peer: Hashable | None) -> AsyncIterator[EngineChunk]:
+        if req.resume and self.resumable:
+            output = self._session(req.session_id, peer).segment(req, stream=stream)
+        else:
+            output = self.engine.generate(req, f"{req.session_id}-{uuid.uuid4().hex[:8]}", stream=stream)
         self.requests_in_flight += 1
         t0 = time.perf_counter()
         try:
-            async for chunk in self.engine.generate(req, request_id, stream=stream):
+            async for chunk in output:
                 if chunk.finished:
                     chunk.replica_id = self.replica_id
                     chunk.engine_s = time.perf_counter() - t0
                 yield chunk
         finally:
             self.requests_in_flight -= 1
+            await output.aclose()
 
-    async def segment(self, request: dict[str, Any], stream: bool) -> AsyncIterator[dict[str, Any]]:
-        """One segment request's output as EngineChunk dicts: as it comes, or (not ``stream``)
-        all of it in one."""
-        if stream:
-            async for chunk in self._run(request, stream=True):
+    async def segment(self, request: dict[str, Any], stream: Streaming, peer: Hashable | None = None) -> AsyncIterator[dict[str, Any]]:
+        """One segment request's output as EngineChunk dicts: as it comes (``stream`` true), all of
+        it in one (false), or ``"first"``: the first token at once (a deadline bounds it), the rest
+        in one."""
+        req = SegmentRequest.model_validate(request)
+        if stream is True:
+            async for chunk in self._run(req, True, peer):
                 yield chunk.model_dump()
             return
         ids: list[int] = []
         text: list[str] = []
         last = EngineChunk()
-        async for chunk in self._run(request, stream=False):
+        waiting_for_first = stream == "first"
+        async for chunk in self._run(req, waiting_for_first, peer):
+            if waiting_for_first and chunk.token_ids and not chunk.finished:
+                waiting_for_first = False
+                yield chunk.model_dump()
+                continue
             ids.extend(chunk.token_ids)
             text.append(chunk.text)
             last = chunk
@@ -95,17 +119,51 @@ class ModelServer:
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream the output of one segment request (a SegmentRequest as a dict) as EngineChunk dicts."""
-        async for chunk in self.segment(request, stream=True):
+        async for chunk in self.segment({**request, "resume": False}, stream=True):
             yield chunk
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The whole output of one segment request at once: token ids, text, finish and stop
         reason, cached prompt tokens, replica."""
-        chunks = self.segment(request, stream=False)
+        chunks = self.segment({**request, "resume": False}, stream=False)
         try:
             return await chunks.__anext__()
         finally:
             await chunks.aclose()
+
+    # ---- resumable requests, one per generation ------------------------------------------------
+
+    def _session(self, session_id: str, peer: Hashable | None) -> EngineSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            self._close_idle_sessions()
+            session = self.sessions[session_id] = EngineSession(self.engine, session_id, self._pauses, on_restart=self._restarted)
+            self._session_peers[session_id] = peer
+        return session
+
+    def _restarted(self) -> None:
+        self.session_restarts += 1
+
+    async def end_session(self, session_id: str) -> None:
+        """The generation ended: its resumable request goes (and its KV cache with it)."""
+        session = self.sessions.pop(session_id, None)
+        self._session_peers.pop(session_id, None)
+        if session is not None:
+            await session.close()
+
+    async def peer_closed(self, peer: Hashable) -> None:
+        """A router's connection closed: the generations it ran here are gone."""
+        for session_id in [s for s, p in self._session_peers.items() if p == peer]:
+            await self.end_session(session_id)
+
+    def _close_idle_sessions(self) -> None:
+        now = time.monotonic()
+        for session_id, session in list(self.sessions.items()):
+            if not session.busy and now - session.last_used > SESSION_IDLE_S:
+                log.warning("closing session %s: no segment for %.0f s", session_id, now - session.last_used)
+                asyncio.get_running_loop().create_task(self.end_session(session_id))
+
+    # ---- leases and the channel ----------------------------------------------------------------
 
     async def lease(self, lease_id: str, ttl_s: float) -> AsyncIterator[dict[str, Any]]:
         """Hold this replica for a router's generations, one at a time: first the segment
@@ -114,7 +172,7 @@ class ModelServer:
         channel = await self._segment_channel()
         self.leases_held += 1
         try:
-            yield {"address": channel.address, "token": channel.token, "replica_id": self.replica_id}
+            yield {"address": channel.address, "token": channel.token, "replica_id": self.replica_id, "resumable": self.resumable}
             await asyncio.sleep(ttl_s)
         finally:
             self.leases_held -= 1
@@ -122,13 +180,10 @@ class ModelServer:
     async def _segment_channel(self) -> SegmentServer:
         async with self._channel_lock:  # started on the loop the engine runs on, once
             if self._channel is None:
-                channel = SegmentServer(self.segment, host=_node_ip())
+                channel = SegmentServer(self, host=_node_ip())
                 await channel.start()
                 self._channel = channel
         return self._channel
-
-    async def score(self, token_ids: list[int], start: int, top_k: int = 2) -> list[list[float]]:
-        return await self.engine.score(token_ids, start, top_k)
 
     async def info(self) -> dict[str, Any]:
         info: EngineInfo = self.engine.info()
@@ -138,6 +193,8 @@ class ModelServer:
             "replica_id": self.replica_id,
             "requests_in_flight": self.requests_in_flight,
             "leases_held": self.leases_held,
+            "sessions": len(self.sessions),
+            "session_restarts": self.session_restarts,
             "channel": self._channel.address if self._channel is not None else None,
         }
 

@@ -86,6 +86,7 @@ class RelayRouter:
                 lease_ttl_s=r.lease_max_age_s + r.request_timeout_s + 60.0,  # outlives any use of it
                 lease_idle_s=r.lease_idle_s,
                 lease_max_age_s=r.lease_max_age_s,
+                resumable=r.resumable_requests,
                 in_rotation=lambda model, replica_id: affinity_registry.replica_running(app, model, replica_id),
             )
         self.backend = backend

@@ -7,8 +7,10 @@ releases it (or ``ttl_s`` passes). Ray Serve therefore still chooses the replica
 admits the generation (``max_ongoing_requests`` counts leases), autoscales on it (ongoing requests
 = generations holding a lease) and reports a dead replica (the lease call fails). Every segment of
 the generation then goes over the channel to the leased replica: session affinity by construction,
-and a handoff costs a TCP round trip instead of a Serve call. A failed segment drops its lease, so
-the retry takes a new one (Serve routes it to a live replica).
+and a handoff costs a TCP round trip instead of a Serve call. With ``resumable`` (and an engine that
+has them), the segments of a generation on one replica continue one resumable engine request
+there, which the router ends with the generation. A failed segment drops its lease, so the retry
+takes a new one (Serve routes it to a live replica).
 
 ``HandleTransport`` (``router.transport: handle``): every segment is a Ray Serve handle call,
 carrying the generation's id as its session id for ``SessionAffinityRouter``.
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.relay.types import EngineChunk, ModelRole, SegmentRequest
+from relay_serve.relay.types import EngineChunk, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,8 @@ class HandleTransport:
 
         return {"affinity_sessions": affinity_map_size()}
 
-    async def segment(self, request: SegmentRequest, stream: bool) -> AsyncIterator[EngineChunk]:
-        opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": stream}
+    async def segment(self, request: SegmentRequest, stream: Streaming) -> AsyncIterator[EngineChunk]:
+        opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": bool(stream)}
         if self.affinity:
             opts["session_id"] = request.session_id
         response = self.handles[request.model].options(**opts).remote(request.model_dump())
@@ -80,6 +82,7 @@ class LeaseInfo:
     address: str
     token: str
     replica_id: str
+    resumable: bool = False  # the replica's engine offers resumable requests
 
 
 class Lease:
@@ -112,7 +115,7 @@ class Lease:
         try:
             async for message in self._response:
                 if not self.info.done():
-                    self.info.set_result(LeaseInfo(message["address"], message["token"], message["replica_id"]))
+                    self.info.set_result(LeaseInfo(message["address"], message["token"], message["replica_id"], bool(message.get("resumable"))))
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - the replica died, or the lease was cancelled
@@ -155,8 +158,10 @@ class DirectTransport:
         idle_s: float = 2.0,
         max_age_s: float = 30.0,
         in_rotation: Callable[[ModelRole, str], bool] | None = None,
+        resumable: bool = True,
     ) -> None:
         self.handles = handles
+        self.resumable = resumable
         self.in_rotation = in_rotation or (lambda model, replica_id: True)
         self.affinity = affinity  # False: a lease per segment (Serve picks the replica every time)
         self.ttl_s = ttl_s
@@ -222,11 +227,20 @@ class DirectTransport:
         for reuse)."""
         lease = self.leases.get(session_id, {}).pop(model, None)
         if lease is not None:
+            self._end_session(lease, session_id)
             lease.release()
 
     def release(self, session_id: str) -> None:
         for lease in self.leases.pop(session_id, {}).values():
+            self._end_session(lease, session_id)
             self._give_back(lease)
+
+    def _end_session(self, lease: Lease, session_id: str) -> None:
+        """The generation is done with this replica: its resumable engine request there goes."""
+        if self.resumable and lease.granted and lease.info.result().resumable:
+            channel = self.pool.existing(lease.info.result().address)
+            if channel is not None:
+                channel.end_session(session_id)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -236,13 +250,15 @@ class DirectTransport:
             "channels": len(self.pool),
         }
 
-    async def segment(self, request: SegmentRequest, stream: bool) -> AsyncIterator[EngineChunk]:
+    async def segment(self, request: SegmentRequest, stream: Streaming) -> AsyncIterator[EngineChunk]:
         lease = self._lease(request.session_id, request.model)
         info: LeaseInfo | None = None
         try:
             info = await asyncio.shield(lease.info)
             channel = await self.pool.get(info.address, info.token)
-            async for data in channel.request(request.model_dump(), stream):
+            body = request.model_dump()
+            body["resume"] = self.resumable and info.resumable and self.affinity
+            async for data in channel.request(body, stream):
                 yield EngineChunk.model_validate(data)
         except Exception as e:
             self.drop(request.session_id, request.model)  # the retry takes a new lease (a live replica)

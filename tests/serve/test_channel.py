@@ -28,9 +28,19 @@ class Runner:
         self.delay_s, self.fail_at = delay_s, fail_at
         self.cancelled: list[int] = []
         self.started: list[dict] = []
+        self.peers: list = []
+        self.ended: list[str] = []
+        self.closed_peers: list = []
 
-    async def __call__(self, request: dict, stream: bool):
+    async def end_session(self, session_id: str) -> None:
+        self.ended.append(session_id)
+
+    async def peer_closed(self, peer) -> None:
+        self.closed_peers.append(peer)
+
+    async def segment(self, request: dict, stream: bool, peer=None):
         self.started.append(request)
+        self.peers.append(peer)
         n = request["n"]
         try:
             if not stream:
@@ -136,7 +146,7 @@ def test_a_failed_request_is_reported_to_it_alone():
         with pytest.raises(RemoteError, match="RuntimeError: engine died"):
             async for chunk in channel.request({"n": 3}, True):
                 got.append(chunk)
-        server.run = Runner()  # the replica recovers; the connection was never in question
+        server.handler = Runner()  # the replica recovers; the connection was never in question
         after = await collect(channel, {"n": 2})
         channel.close()
         await server.close()
@@ -247,5 +257,25 @@ def test_connecting_to_nobody_is_a_channel_error():
         await server.close()
         with pytest.raises(ChannelError, match="cannot connect"):
             await ChannelPool().get(address, "x")
+
+    asyncio.run(go())
+
+
+def test_a_generation_end_reaches_the_replica_and_a_closed_connection_ends_its_peer():
+    async def go():
+        runner = Runner()
+        server = await serve(runner)
+        channel = await Channel.connect(server.address, server.token)
+        await collect(channel, {"n": 2})
+        channel.end_session("gen-7")
+        await collect(channel, {"n": 1})  # the end was read before this request
+        assert runner.ended == ["gen-7"] and runner.peers[0] == runner.peers[1] is not None
+        channel.close()
+        for _ in range(100):
+            if runner.closed_peers:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.closed_peers == [runner.peers[0]]
+        await server.close()
 
     asyncio.run(go())

@@ -34,9 +34,6 @@ class FakeEngine(Engine):
             last = i == request.max_tokens - 1
             yield EngineChunk(token_ids=[7 + i], finished=last, finish_reason="length" if last else None)
 
-    async def score(self, token_ids, start, top_k=2):
-        return []
-
     def info(self):
         return EngineInfo(model="fake", max_model_len=1024, tokenizer_fingerprint="x")
 
@@ -300,3 +297,88 @@ def test_an_idle_lease_that_cannot_be_reused_is_given_back_once(caplog):
 
     assert asyncio.run(go()) == (2, True)
     assert "ValueError" not in caplog.text  # the expiry timer of a lease taken out of the pool
+
+
+def test_a_relay_generation_continues_one_resumable_request_per_model():
+    """RelayGen over the direct transport, with replicas whose engine has resumable requests:
+    one request per model for the whole generation, fed only what is new, ended with it."""
+    from relay_serve.relay.policy import PolicySettings, RelayGen
+    from relay_serve.relay.session import Session
+    from relay_serve.relay.types import SamplingSettings
+    from tests.fakes import FakeCodec, FakeResumableEngine
+
+    prompt = "<think>\n"
+    ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n</think>\n\nThe answer is v13."
+    codec = FakeCodec()
+    codec.encode(prompt + ref)
+
+    class Scripted(FakeResumableEngine):
+        def __init__(self, model, tokenizer=None, engine_args=None) -> None:
+            super().__init__(codec, lambda text: (prompt + ref)[len(text) :] if (prompt + ref).startswith(text) else "")
+
+    async def go(resumable: bool):
+        large = ModelServer("large", {"model": "toy:large"}, engine_cls=Scripted)
+        small = ModelServer("small", {"model": "toy:small"}, engine_cls=Scripted)
+        b = ServeBackend(FakeHandle(large), FakeHandle(small), resumable=resumable)
+        s = Session(backend=b, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
+        result = await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+        open_sessions = (len(large.sessions), len(small.sessions))
+        b.release("gen-1")
+        await asyncio.sleep(0.05)
+        return result, open_sessions, large, small
+
+    result, open_sessions, large, small = asyncio.run(go(True))
+    assert result.text == ref and result.usage.small_tokens > 0 and result.usage.switches >= 2
+    assert open_sessions == (1, 1)
+    (large_req,), (small_req,) = large.engine.requests, small.engine.requests
+    # after its first chunk the large request is fed the pending token and the small model's sentence only
+    assert codec.decode(large_req.feeds[0]) == prompt and all(len(f) < 12 for f in large_req.feeds[1:])
+    assert large_req.closed and small_req.closed and not large.sessions and not small.sessions  # ended with the generation
+    result, _, large, small = asyncio.run(go(False))
+    assert result.text == ref and large.engine.requests == [] and small.engine.requests == []
+
+
+def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
+    """A batch (unstreamed) relay answer that takes 1 s on the small model, with a 0.3 s deadline:
+    the deadline bounds its first token, so the small model writes all of it and the deployment
+    stays in service."""
+    from relay_serve.relay.session import Session
+    from relay_serve.relay.types import SamplingSettings
+
+    class Numbers:  # decodes the fake engine's token ids (7, 8, 9, ...)
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def decode(self, ids):
+            return "".join(f" {i}" for i in ids)
+
+    async def go():
+        b, (large, _), (small, _) = setup()
+        small.engine.delay_s = 0.02  # 50 tokens: 1 s
+        s = Session(backend=b, codec=Numbers(), prompt_ids=[1, 2], max_tokens=50, sampling=SamplingSettings(), session_id="g", small_timeout_s=0.3)
+        out = await s.answer("small", cue=None, optional=True)
+        return out, b.small_refusal()
+
+    out, refusal = asyncio.run(go())
+    assert len(out.token_ids) == 50 and out.finish_reason == "length" and refusal is None
+
+
+def test_one_slow_first_token_takes_out_its_own_segment_only():
+    """While other small-model segments are answered, one whose first token is late goes to the
+    large model alone; the small deployment stays in service."""
+    from relay_serve.relay.session import SmallModelUnavailable
+
+    async def go():
+        b, _, (small, _) = setup()
+        small.engine.delay_s = 0.01
+        busy = asyncio.create_task(run(b, req("small", session="other", n=40), stream=True))  # answered all along
+        await asyncio.sleep(0.05)
+        small.engine.delay_s = 0.5  # the next segment's first token comes late
+        with pytest.raises(SmallModelUnavailable, match="first token took longer than 0.2 s"):
+            await run(b, req("small", session="slow", n=3), stream="first", timeout_s=0.2)
+        refusal = b.small_refusal()
+        busy.cancel()
+        await asyncio.gather(busy, return_exceptions=True)
+        return refusal
+
+    assert asyncio.run(go()) is None

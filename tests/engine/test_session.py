@@ -1,0 +1,155 @@
+"""A generation's segments on one model in one resumable request (``engine/session.py``): stops
+found exactly where vLLM's stop strings find them (pause tokens, one token of look-ahead), only new
+tokens fed, a context that does not continue the request restarts it, cancellation closes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay_serve.engine.session import EngineSession
+from relay_serve.engine.stops import PauseTokens, first_stop, lookahead_stops
+from relay_serve.relay.types import SegmentRequest
+from tests.fakes import FakeCodec, FakeResumableEngine
+
+PROMPT = "<think>\n"
+REF = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nWait, c12 -> v13.\n</think>\n\nThe answer is v13."
+
+
+def full_script(full: str):
+    """A model that writes ``full`` (prompt included) from wherever its text stands; off it, nothing."""
+    return lambda text: full[len(text) :] if full.startswith(text) else ""
+
+
+def setup(ref: str = REF, extra: str = ""):
+    codec = FakeCodec()
+    codec.encode(PROMPT + ref + extra)  # fixes the vocabulary
+    engine = FakeResumableEngine(codec, full_script(PROMPT + ref))
+    return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts()))
+
+
+def request(codec, context: str, stop: list[str], max_tokens: int = 200) -> SegmentRequest:
+    return SegmentRequest(model="large", prompt_token_ids=codec.encode(context), max_tokens=max_tokens, stop=stop, session_id="gen-1", resume=True)
+
+
+async def collect(session, req, stream: bool = False):
+    return [c async for c in session.segment(req, stream=stream)]
+
+
+def test_pause_tokens_cover_every_way_to_complete_a_stop():
+    texts = ["Th", "us", ",", "Thus", "x,", "Thus,", "The", "h", "us,", ", we", "so", ".", " the", "\n"]
+    pauses = PauseTokens(texts)
+    # "Thus,": tokens that start with the rest of a prefix (",", "us,", ", we") or hold it all
+    assert {texts[i] for i in pauses.ids(("Thus,",))} == {",", "Thus,", "us,", ", we"}
+    # ". " ends in white space (completed by most tokens): tokens that end a prefix, and a look-ahead
+    assert {texts[i] for i in pauses.ids((". ",))} == {"."}
+    assert {texts[i] for i in pauses.ids(("so ",))} == {"so", "Thus", "us"}  # any token ending in "s" or "so"
+    assert {texts[i] for i in pauses.ids(("so ",), frozenset({"so "}))} == {"so"}  # ...at a word start
+    assert first_stop("a Thus, b. c", ["b.", "Thus,"]) == (10, "b.")  # list order, as vLLM
+    assert lookahead_stops("so b.", [". "]) and not lookahead_stops("so Th", ["Thus,"])
+
+
+def test_a_word_stop_counts_only_at_a_word_start():
+    assert first_stop("we also see", ["so "], word_stops=["so "]) is None
+    assert first_stop("we also so see", ["so "], word_stops=["so "]) == (11, "so ")
+    assert first_stop("so see", ["so "], word_stops=["so "], before="al") is None
+    assert first_stop("so see", ["so "], word_stops=["so "], before="al ") == (3, "so ")
+    assert first_stop("we also see", ["so "]) == (8, "so ")  # not a word stop: any match
+
+
+def test_a_cue_stops_the_segment_where_a_stop_string_would():
+    codec, engine, session = setup()
+    out = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,", "Wait,"])))
+    (last,) = out
+    assert last.finished and last.finish_reason == "stop" and last.stop_reason == "Thus,"
+    assert codec.decode(last.token_ids) == "First, b3 -> c12.\n\nThus,"
+    assert last.pauses == 1  # at the "," of "First," (no cue); then the "," of "Thus," completed one
+    assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode(",")]  # the paused-on token fed again
+
+
+def test_the_next_segment_feeds_only_what_is_new():
+    codec, engine, session = setup()
+    asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))
+    # another model wrote " we are at c12.\n\n"; this one continues from there
+    context = PROMPT + "First, b3 -> c12.\n\nThus, we are at c12.\n\n"
+    (last,) = asyncio.run(collect(session, request(codec, context, ["Wait,"])))
+    assert codec.decode(last.token_ids) == "Next, c12 -> v13.\n\nWait,"
+    (resumable,) = engine.requests
+    assert resumable.feeds[2] == codec.encode(", we are at c12.\n\n")  # the pending "," and the other model's tokens
+    assert last.cached_tokens == len(codec.encode(context)) - len(resumable.feeds[2])
+
+
+def test_a_context_that_does_not_continue_the_request_restarts_it():
+    codec, engine, session = setup()
+    asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))
+    restarts = []
+    session.on_restart = lambda: restarts.append(1)
+    # the router took tokens back: the context no longer holds what the request holds
+    (last,) = asyncio.run(collect(session, request(codec, PROMPT + "First,", ["."])))
+    assert codec.decode(last.token_ids) == " b3 -> c12." and restarts == [1]
+    assert len(engine.requests) == 2 and engine.requests[0].closed
+
+
+def test_eos_and_length_end_a_segment():
+    codec, engine, session = setup()
+    (last,) = asyncio.run(collect(session, request(codec, PROMPT + REF[:-5], [])))
+    assert last.finish_reason == "stop" and last.stop_reason is None and codec.decode(last.token_ids) == " v13."
+    codec, engine, session = setup()
+    (last,) = asyncio.run(collect(session, request(codec, PROMPT, ["Wait,"], max_tokens=3)))
+    assert last.finish_reason == "length" and len(last.token_ids) == 3
+
+
+def test_streamed_chunks_add_up_to_the_segment():
+    codec, engine, session = setup()
+    out = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"]), stream=True))
+    assert out[-1].finished and out[-1].token_ids == [] and not any(c.finished for c in out[:-1])
+    assert codec.decode([t for c in out for t in c.token_ids]) == "First, b3 -> c12.\n\nThus,"
+
+
+def test_a_cancelled_segment_closes_the_request():
+    codec, engine, session = setup()
+    engine.delay_s = 0.05
+
+    async def go():
+        task = asyncio.ensure_future(collect(session, request(codec, PROMPT, ["Wait,"])))
+        await asyncio.sleep(0.12)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+    assert engine.requests[0].closed and session.request is None and not session.busy
+
+
+PIECES = ["a", " b", ".", " ", "\n", "\n\n", "Thus", ",", " so", "so", " T", "h", "us", "!"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(PIECES), min_size=1, max_size=30),
+    st.lists(st.sampled_from(["Thus,", ". ", ".\n", "\n\n", "so ", "a b", "!"]), max_size=3, unique=True),
+    st.integers(min_value=1, max_value=40),
+)
+def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens):
+    """For any text and stop strings: the same tokens, finish reason and stop string as one plain
+    request with vLLM's stop-string semantics."""
+    text = "".join(pieces)
+    codec, engine, session = setup(text, extra="".join(PIECES) + "".join(stops))
+    req = request(codec, PROMPT, stops, max_tokens=max_tokens)
+    (plain,) = asyncio.run(_plain(engine, req))
+    (ours,) = asyncio.run(collect(session, req))
+    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason)
+
+
+async def _plain(engine, req):
+    return [c async for c in engine.generate(req, "plain")][-1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_busy_session_refuses_a_second_segment(stream):
+    codec, engine, session = setup()
+    session.busy = True
+    with pytest.raises(RuntimeError, match="already runs a segment"):
+        asyncio.run(collect(session, request(codec, PROMPT, []), stream=stream))
