@@ -26,7 +26,8 @@ def full_script(full: str):
 
 def setup(ref: str = REF, extra: str = ""):
     codec = FakeCodec()
-    codec.encode(PROMPT + ref + extra)  # fixes the vocabulary
+    codec.encode(PROMPT + ref)  # fixes the vocabulary: the reference's own pieces, then any others
+    codec.encode(extra)
     engine = FakeResumableEngine(codec, full_script(PROMPT + ref))
     return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts()))
 
@@ -140,7 +141,7 @@ def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens):
     req = request(codec, PROMPT, stops, max_tokens=max_tokens)
     (plain,) = asyncio.run(_plain(engine, req))
     (ours,) = asyncio.run(collect(session, req))
-    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason)
+    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason), (pieces, stops, max_tokens)
 
 
 async def _plain(engine, req):

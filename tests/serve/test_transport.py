@@ -22,6 +22,7 @@ class FakeEngine(Engine):
     def __init__(self, model, tokenizer=None, engine_args=None) -> None:
         self.requests: list[SegmentRequest] = []
         self.delay_s = 0.0
+        self.first_delay_s: dict[str, float] = {}  # by session: a wait before the first token
         self.fail = False
 
     async def generate(self, request, request_id, stream=True):
@@ -29,6 +30,7 @@ class FakeEngine(Engine):
         if self.fail:
             self.fail = False
             raise RuntimeError("the engine core died")
+        await asyncio.sleep(self.first_delay_s.get(request.session_id, 0.0))
         for i in range(request.max_tokens):
             await asyncio.sleep(self.delay_s)
             last = i == request.max_tokens - 1
@@ -371,9 +373,9 @@ def test_one_slow_first_token_takes_out_its_own_segment_only():
     async def go():
         b, _, (small, _) = setup()
         small.engine.delay_s = 0.01
-        busy = asyncio.create_task(run(b, req("small", session="other", n=40), stream=True))  # answered all along
+        small.engine.first_delay_s["slow"] = 0.5  # this segment's first token comes late
+        busy = asyncio.create_task(run(b, req("small", session="other", n=60), stream=True))  # answered all along
         await asyncio.sleep(0.05)
-        small.engine.delay_s = 0.5  # the next segment's first token comes late
         with pytest.raises(SmallModelUnavailable, match="first token took longer than 0.2 s"):
             await run(b, req("small", session="slow", n=3), stream="first", timeout_s=0.2)
         refusal = b.small_refusal()
