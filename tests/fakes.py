@@ -141,14 +141,23 @@ class FakeResumableEngine(Engine):
         return self.codec.encode(self.script(self.codec.decode(held)))
 
     async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        """vLLM's stop strings, a word stop counting only at a word start (as an engine that can tell)."""
         pieces = self.next_pieces(request.prompt_token_ids)
+        before = self.codec.decode(request.prompt_token_ids)
         for n in range(1, len(pieces) + 1):
             text = self.codec.decode(pieces[:n])
-            hit = next((s for s in request.stop if s in text), None)
+            hit = next((s for s in request.stop if _occurs(s, text, before, s in request.word_stops)), None)
             if hit is not None or n == request.max_tokens:
                 yield EngineChunk(token_ids=pieces[:n], finished=True, finish_reason="stop" if hit else "length", stop_reason=hit)
                 return
         yield EngineChunk(token_ids=pieces, finished=True, finish_reason="stop")
+
+
+def _occurs(stop: str, text: str, before: str, word: bool) -> bool:
+    pos = text.find(stop)
+    while pos != -1 and word and stop[0].isalnum() and ((before + text[:pos])[-1:] or " ").isalnum():
+        pos = text.find(stop, pos + 1)
+    return pos != -1
 
 
 class FakeResumable:

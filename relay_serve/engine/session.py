@@ -108,7 +108,7 @@ class EngineSession:
             if left <= 0:
                 break
             pauses += 1  # a pause that stopped nothing: resume with the token it paused on
-            lookahead = lookahead_stops(text, stops)
+            lookahead = lookahead_stops(text, stops, request.word_stops, before)
             feed = new[-1:]
         timing = {"cached_tokens": cached, "ttft_s": ttft_s, "decode_s": decode_s, "decode_steps": steps, "pauses": pauses}
         yield last.model_copy(update={"token_ids": [] if stream else generated, **timing})

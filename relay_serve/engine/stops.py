@@ -4,22 +4,27 @@ vLLM's resumable requests (streaming input) refuse stop strings: a request pause
 stop token id, EOS or its ``max_tokens``. A stop string ``S`` first occurs in the generated text
 when some token ``t`` is appended; then ``t``'s text holds all of ``S``, or the text before ``t``
 ends with a non-empty proper prefix ``S[:j]`` and ``t``'s text starts with the rest ``S[j:]``.
-A request that pauses after every token that can do either sees every stop exactly where vLLM's
-stop-string check would: at the token that completes it. For most stop strings those tokens are
-few (for ``"Thus,"``: the tokens that start with ``","``, ``"s,"``, ``"us,"`` or ``"hus,"``, or
-hold ``"Thus,"``). For one that ends in white space (``". "``, ``"So "``) they are most of the
-vocabulary, so the request pauses instead after a token that can *end a proper prefix* (its text
-ends with ``S[:j]``, or is exactly ``S[i:j]`` for a prefix spread over several tokens) and looks
-one token ahead (``max_tokens`` 1) whenever the text does end with one.
+A request that pauses on every token that can do either sees every stop exactly where vLLM's
+stop-string check would: at the token that completes it. There are two ways to catch the second
+case, and each stop string takes the one that pauses less:
 
-:class:`PauseTokens` computes the pause token ids from the vocabulary's texts; :func:`first_stop`
-and :func:`lookahead_stops` are the checks at a pause. A stop string listed as a *word stop*
-counts only at a word start (a cue: ``"so "`` never stops inside ``"also "``). Pure: no vLLM.
+- *completion*: pause on the tokens that start with a rest ``S[j:]`` (for ``"</answer>"``: those
+  starting with ``">"``, ``"r>"``, ...). For a stop ending in white space (``". "``) that is most
+  of the vocabulary, and for a cue (``"Thus,"``) every comma;
+- *look-ahead*: pause on the tokens that can end a proper prefix (their text ends with ``S[:j]``,
+  or is exactly ``S[i:j]`` for a prefix spread over several tokens), and whenever the text does end
+  with one, generate one token more (``max_tokens`` 1) and look again. Stops ending in white space
+  and *word stops* take this way. A word stop (a cue) counts only at a word start, so its prefix
+  must start a word too: ``"so "`` pauses after ``" so"``, never after ``"also"``.
+
+Every pause that stops nothing costs a round trip (a decode step for that request when the engine
+is busy). :class:`PauseTokens` computes the pause token ids from the vocabulary's texts;
+:func:`first_stop` and :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 
 
@@ -43,16 +48,16 @@ class PauseTokens:
         """Token ids after which a request with these stop strings must pause."""
         starts: set[str] = set()  # a token starting with one of these may complete a stop
         ends: dict[str, bool] = {}  # one ending with one of these may end a proper prefix (look ahead);
-        # True: only where the prefix starts a word (a word stop's)
+        # True: only where that prefix starts a word (a word stop's)
         inner: set[str] = set()  # one that is exactly one of these may continue such a prefix
         for s in stops:
-            at_word_start = s in word_stops and _is_word_char(s[0])
-            for j in range(1, len(s)):
-                if ends_with_space(s):
+            if _looks_ahead(s, word_stops):
+                at_word_start = s in word_stops and _is_word_char(s[0])
+                for j in range(1, len(s)):
                     ends[s[:j]] = ends.get(s[:j], True) and at_word_start
                     inner.update(s[i:j] for i in range(1, j))
-                else:
-                    starts.add(s[j:])
+            else:
+                starts.update(s[j:] for j in range(1, len(s)))
         non_ascii = any(not s.isascii() for s in stops)
         out = set()
         for tid, text in enumerate(self.texts):
@@ -67,6 +72,10 @@ class PauseTokens:
             ):
                 out.add(tid)
         return frozenset(out)
+
+
+def _looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
+    return ends_with_space(stop) or stop in word_stops
 
 
 def _ends_with(text: str, prefix: str, word_start: bool) -> bool:
@@ -89,7 +98,16 @@ def first_stop(text: str, stops: Sequence[str], word_stops: Sequence[str] = (), 
     return None
 
 
-def lookahead_stops(text: str, stops: Sequence[str]) -> bool:
-    """Whether ``text`` ends with a non-empty proper prefix of a stop string ending in white space
-    (whose completion the pause tokens do not catch: the next token must be seen)."""
-    return any(text.endswith(s[:j]) for s in stops if ends_with_space(s) for j in range(1, len(s)))
+def lookahead_stops(text: str, stops: Sequence[str], word_stops: Collection[str] = (), before: str = "") -> bool:
+    """Whether ``text`` ends with a non-empty proper prefix of a stop string caught by looking
+    ahead (one ending in white space, or a word stop whose prefix starts a word): the next token
+    must be seen."""
+    full = before + text
+    for s in stops:
+        if not _looks_ahead(s, word_stops):
+            continue
+        at_word_start = s in word_stops and _is_word_char(s[0])
+        for j in range(1, len(s)):
+            if full.endswith(s[:j]) and (not at_word_start or not _is_word_char(full[-j - 1 : -j] or " ")):
+                return True
+    return False

@@ -32,8 +32,10 @@ def setup(ref: str = REF, extra: str = ""):
     return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts()))
 
 
-def request(codec, context: str, stop: list[str], max_tokens: int = 200) -> SegmentRequest:
-    return SegmentRequest(model="large", prompt_token_ids=codec.encode(context), max_tokens=max_tokens, stop=stop, session_id="gen-1", resume=True)
+def request(codec, context: str, stop: list[str], max_tokens: int = 200, word_stops: list[str] | None = None) -> SegmentRequest:
+    return SegmentRequest(
+        model="large", prompt_token_ids=codec.encode(context), max_tokens=max_tokens, stop=stop, word_stops=word_stops or [], session_id="gen-1", resume=True
+    )
 
 
 async def collect(session, req, stream: bool = False):
@@ -49,8 +51,11 @@ def test_pause_tokens_cover_every_way_to_complete_a_stop():
     assert {texts[i] for i in pauses.ids((". ",))} == {"."}
     assert {texts[i] for i in pauses.ids(("so ",))} == {"so", "Thus", "us"}  # any token ending in "s" or "so"
     assert {texts[i] for i in pauses.ids(("so ",), frozenset({"so "}))} == {"so"}  # ...at a word start
+    # a cue (word stop) pauses where its word ends, not on every comma; pieces of it pause too
+    assert {texts[i] for i in pauses.ids(("Thus,",), frozenset({"Thus,"}))} == {"Th", "Thus", "Thus,", "us", "h"}
     assert first_stop("a Thus, b. c", ["b.", "Thus,"]) == (10, "b.")  # list order, as vLLM
     assert lookahead_stops("so b.", [". "]) and not lookahead_stops("so Th", ["Thus,"])
+    assert lookahead_stops("so Th", ["Thus,"], ["Thus,"]) and not lookahead_stops("so xTh", ["Thus,"], ["Thus,"])
 
 
 def test_a_word_stop_counts_only_at_a_word_start():
@@ -69,6 +74,15 @@ def test_a_cue_stops_the_segment_where_a_stop_string_would():
     assert codec.decode(last.token_ids) == "First, b3 -> c12.\n\nThus,"
     assert last.pauses == 1  # at the "," of "First," (no cue); then the "," of "Thus," completed one
     assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode(",")]  # the paused-on token fed again
+
+
+def test_a_cue_pauses_where_its_word_ends_and_looks_one_token_ahead():
+    codec, engine, session = setup()
+    out = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,", "Wait,"], word_stops=["Thus,", "Wait,"])))
+    (last,) = out
+    assert last.stop_reason == "Thus," and codec.decode(last.token_ids) == "First, b3 -> c12.\n\nThus,"
+    assert last.pauses == 1  # at "Thus" (no pause on the "," of "First,"); the look-ahead token completed it
+    assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode("Thus")]
 
 
 def test_the_next_segment_feeds_only_what_is_new():
@@ -124,7 +138,7 @@ def test_a_cancelled_segment_closes_the_request():
     assert engine.requests[0].closed and session.request is None and not session.busy
 
 
-PIECES = ["a", " b", ".", " ", "\n", "\n\n", "Thus", ",", " so", "so", " T", "h", "us", "!"]
+PIECES = ["a", " b", ".", " ", "\n", "\n\n", "Thus", ",", " so", "so", " T", "h", "us", "!", "also", " Thus"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -132,13 +146,15 @@ PIECES = ["a", " b", ".", " ", "\n", "\n\n", "Thus", ",", " so", "so", " T", "h"
     st.lists(st.sampled_from(PIECES), min_size=1, max_size=30),
     st.lists(st.sampled_from(["Thus,", ". ", ".\n", "\n\n", "so ", "a b", "!"]), max_size=3, unique=True),
     st.integers(min_value=1, max_value=40),
+    st.data(),
 )
-def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens):
-    """For any text and stop strings: the same tokens, finish reason and stop string as one plain
-    request with vLLM's stop-string semantics."""
+def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens, data):
+    """For any text, stop strings and word stops among them: the same tokens, finish reason and
+    stop string as one plain request with vLLM's stop-string semantics (word stops at word starts)."""
     text = "".join(pieces)
+    word_stops = data.draw(st.lists(st.sampled_from(stops), unique=True)) if stops else []
     codec, engine, session = setup(text, extra="".join(PIECES) + "".join(stops))
-    req = request(codec, PROMPT, stops, max_tokens=max_tokens)
+    req = request(codec, PROMPT, stops, max_tokens=max_tokens, word_stops=word_stops)
     (plain,) = asyncio.run(_plain(engine, req))
     (ours,) = asyncio.run(collect(session, req))
     assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason), (pieces, stops, max_tokens)

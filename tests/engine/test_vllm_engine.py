@@ -85,7 +85,7 @@ def test_resumable_requests_give_what_plain_requests_give():
                 steps = ((cues, " we are at v13.\n\n"), (list(SENTENCE_STOPS), ""), (cues, "\n</think>\n\n"), ([], ""))
                 for stop, extra in steps:  # the last: no stop string, ends at EOS (after a pause on a stop token)
                     req = SegmentRequest(model="large", prompt_token_ids=context, max_tokens=120, stop=stop, session_id="g",
-                                         sampling=SamplingSettings(temperature=0.0), resume=True)  # fmt: skip
+                                         word_stops=stop if stop is cues else [], sampling=SamplingSettings(temperature=0.0), resume=True)  # fmt: skip
                     plain = [c async for c in engine.generate(req, f"p{len(context)}", stream=False)][-1]
                     ours = [c async for c in session.segment(req, stream=False)][-1]
                     assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason)
