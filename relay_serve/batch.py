@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -247,128 +248,156 @@ def result_record(row_id: str, line: int, mode: str, response: dict[str, Any], l
 Call = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-async def run_batch_async(s: BatchSettings, call: Call, progress: bool = True) -> BatchSummary:
-    """Drive every input row through ``call`` (the router's ``handle_request``), ``concurrency``
-    at a time, writing parts as results arrive. Interrupted, it writes what it has first."""
-    from tqdm import tqdm
+@dataclass
+class _Counts:
+    rows: int = 0
+    skipped: int = 0
+    written: int = 0
+    malformed: int = 0
+    failed: int = 0
+    tokens: int = 0
+    small: int = 0
 
-    out = Output(s.output, s.format)
-    done = out.done_ids()
-    started = time.perf_counter()
-    counts = {"rows": 0, "skipped": 0, "written": 0, "malformed": 0, "failed": 0, "tokens": 0, "small": 0}
-    pending: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    last_flush = time.monotonic()
-    seen: set[str] = set()
-    total = count_rows(s.input)
-    bar = tqdm(total=total, desc=f"batch {s.mode}", unit="row", disable=not progress)
 
-    def flush(force: bool = False) -> None:
-        nonlocal last_flush, pending, errors
-        due = len(pending) >= s.part_rows or time.monotonic() - last_flush >= s.part_interval_s
-        if pending and (force or due):
-            out.write_part(pending)
-            counts["written"] += len(pending)
-            pending = []
-            last_flush = time.monotonic()
-        if errors and (force or due):
-            out.append_errors(errors)
-            errors = []
+class _BatchRun:
+    """One batch run: the rows in, the calls out (``concurrency`` at a time), and the results and
+    errors not yet written, flushed as whole parts."""
 
-    def error(line: int, row_id: str | None, kind: str, message: str) -> None:
-        counts[kind] += 1
-        errors.append({"line": line, "id": row_id, "kind": kind, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        log.warning("input line %d%s: %s", line, f" (id {row_id})" if row_id else "", message)
+    def __init__(self, s: BatchSettings, call: Call, progress: bool) -> None:
+        from tqdm import tqdm
 
-    async def one(line: int, row_id: str, body: dict[str, Any]) -> None:
-        for attempt in range(s.retries + 1):
+        self.s, self.call = s, call
+        self.out = Output(s.output, s.format)
+        self.done = self.out.done_ids()
+        self.counts = _Counts()
+        self.results: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.seen: set[str] = set()
+        self.last_flush = time.monotonic()
+        self.prefix = "row" if _input_kind(s.input) == "parquet" else "line"
+        self.bar = tqdm(total=count_rows(s.input), desc=f"batch {s.mode}", unit="row", disable=not progress)
+
+    async def run(self) -> BatchSummary:
+        """Every input row through ``call``; interrupted, it writes what it has first."""
+        started = time.perf_counter()
+        sem = asyncio.Semaphore(self.s.concurrency)
+        tasks: set[asyncio.Task] = set()
+
+        async def send(line: int, row_id: str, body: dict[str, Any]) -> None:
+            try:
+                await self._send(line, row_id, body)
+            finally:
+                sem.release()
+
+        rows = read_rows(self.s.input)
+        try:
+            while (item := await asyncio.to_thread(next, rows, None)) is not None:
+                admitted = self._admit(*item)
+                if admitted is None:
+                    self.bar.update(1)
+                    continue
+                await sem.acquire()
+                task = asyncio.create_task(send(*admitted))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self._flush()
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._flush(force=True)
+            self.bar.close()
+        return self._summary(time.perf_counter() - started)
+
+    def _admit(self, line: int, raw: Any, problem: str | None) -> tuple[int, str, dict[str, Any]] | None:
+        """A row to send (its line, id and request body), or None: malformed, seen before, or
+        already written by an earlier run."""
+        self.counts.rows += 1
+        if problem is not None:
+            self._error(line, None, "malformed", problem)
+            return None
+        try:
+            row = BatchRow.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            self._error(line, None, "malformed", f"{where + ': ' if where else ''}{err['msg']}")
+            return None
+        row_id = str(row.id) if row.id is not None else f"{self.prefix}-{line}"
+        if row_id in self.seen:
+            self._error(line, row_id, "malformed", f"duplicate id {row_id!r} (an earlier line has it)")
+            return None
+        self.seen.add(row_id)
+        if row_id in self.done:
+            self.counts.skipped += 1
+            return None
+        return line, row_id, request_body(row, self.s)
+
+    async def _send(self, line: int, row_id: str, body: dict[str, Any]) -> None:
+        """One row's request: a 4xx is final at once, a 5xx after ``retries`` retries."""
+        for attempt in range(self.s.retries + 1):
             t0 = time.perf_counter()
             try:
-                result = await call(body)
+                result = await self.call(body)
             except Exception as e:  # noqa: BLE001 - the handle itself failed (replica died, ...)
                 result = {"error": {"message": f"{type(e).__name__}: {e}"}, "status": 503}
             if "response" in result:
-                rec = result_record(row_id, line, s.mode, result["response"], time.perf_counter() - t0)
-                pending.append(rec)
-                counts["tokens"] += rec["completion_tokens"]
-                counts["small"] += rec["small_tokens"]
+                rec = result_record(row_id, line, self.s.mode, result["response"], time.perf_counter() - t0)
+                self.results.append(rec)
+                self.counts.tokens += rec["completion_tokens"]
+                self.counts.small += rec["small_tokens"]
                 break
             status = int(result.get("status", 500))
-            if status < 500 or attempt == s.retries:
-                error(line, row_id, "failed", f"HTTP {status}: {result['error'].get('message')}")
+            if status < 500 or attempt == self.s.retries:
+                self._error(line, row_id, "failed", f"HTTP {status}: {result['error'].get('message')}")
                 break
             await asyncio.sleep(0.5 * 2**attempt)
-        bar.update(1)
-        flush()
+        self.bar.update(1)
+        self._flush()
 
-    sem = asyncio.Semaphore(s.concurrency)
-    tasks: set[asyncio.Task] = set()
+    def _error(self, line: int, row_id: str | None, kind: Literal["malformed", "failed"], message: str) -> None:
+        setattr(self.counts, kind, getattr(self.counts, kind) + 1)
+        self.errors.append({"line": line, "id": row_id, "kind": kind, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        log.warning("input line %d%s: %s", line, f" (id {row_id})" if row_id else "", message)
 
-    async def guarded(line: int, row_id: str, body: dict[str, Any]) -> None:
-        try:
-            await one(line, row_id, body)
-        finally:
-            sem.release()
+    def _flush(self, force: bool = False) -> None:
+        """Write the results as a part (and the errors) once there are ``part_rows`` of them or
+        ``part_interval_s`` passed; all of them with ``force``."""
+        due = len(self.results) >= self.s.part_rows or time.monotonic() - self.last_flush >= self.s.part_interval_s
+        if self.results and (force or due):
+            self.out.write_part(self.results)
+            self.counts.written += len(self.results)
+            self.results = []
+            self.last_flush = time.monotonic()
+        if self.errors and (force or due):
+            self.out.append_errors(self.errors)
+            self.errors = []
 
-    rows = read_rows(s.input)
-    prefix = "row" if _input_kind(s.input) == "parquet" else "line"
-    try:
-        while True:
-            item = await asyncio.to_thread(next, rows, None)
-            if item is None:
-                break
-            line, raw, problem = item
-            counts["rows"] += 1
-            if problem is not None:
-                error(line, None, "malformed", problem)
-                bar.update(1)
-                continue
-            try:
-                row = BatchRow.model_validate(raw)
-            except ValidationError as e:
-                err = e.errors()[0]
-                where = ".".join(str(p) for p in err["loc"])
-                error(line, None, "malformed", f"{where + ': ' if where else ''}{err['msg']}")
-                bar.update(1)
-                continue
-            row_id = str(row.id) if row.id is not None else f"{prefix}-{line}"
-            if row_id in seen:
-                error(line, row_id, "malformed", f"duplicate id {row_id!r} (an earlier line has it)")
-                bar.update(1)
-                continue
-            seen.add(row_id)
-            if row_id in done:
-                counts["skipped"] += 1
-                bar.update(1)
-                continue
-            await sem.acquire()
-            task = asyncio.create_task(guarded(line, row_id, request_body(row, s)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            flush()
-        if tasks:
-            await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        flush(force=True)
-        bar.close()
-    summary = BatchSummary(
-        input=s.input,
-        output=s.output,
-        mode=s.mode,
-        rows_read=counts["rows"],
-        skipped_done=counts["skipped"],
-        written=counts["written"],
-        malformed=counts["malformed"],
-        failed=counts["failed"],
-        elapsed_s=round(time.perf_counter() - started, 3),
-        completion_tokens=counts["tokens"],
-        small_token_share=round(counts["small"] / counts["tokens"], 4) if counts["tokens"] else None,
-        errors_file=f"{out.uri}/{ERRORS_FILE}",
-    )
-    out.write_summary(summary)
-    return summary
+    def _summary(self, elapsed_s: float) -> BatchSummary:
+        c = self.counts
+        summary = BatchSummary(
+            input=self.s.input,
+            output=self.s.output,
+            mode=self.s.mode,
+            rows_read=c.rows,
+            skipped_done=c.skipped,
+            written=c.written,
+            malformed=c.malformed,
+            failed=c.failed,
+            elapsed_s=round(elapsed_s, 3),
+            completion_tokens=c.tokens,
+            small_token_share=round(c.small / c.tokens, 4) if c.tokens else None,
+            errors_file=f"{self.out.uri}/{ERRORS_FILE}",
+        )
+        self.out.write_summary(summary)
+        return summary
+
+
+async def run_batch_async(s: BatchSettings, call: Call, progress: bool = True) -> BatchSummary:
+    """Drive every input row through ``call`` (the router's ``handle_request``), ``concurrency``
+    at a time, writing parts as results arrive. Interrupted, it writes what it has first."""
+    return await _BatchRun(s, call, progress).run()
 
 
 def router_handle(cfg: AppConfig | None = None):

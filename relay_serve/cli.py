@@ -275,9 +275,9 @@ def soak_cmd(
     url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as one JSON line"),
 ) -> None:
-    """A bounded soak: CLIENTS clients for DURATION seconds, then the router's in-flight count and
-    sessions pinned to replicas (leases, or the affinity map) must be back to where they started, with
-    no failed request. Exits 1 otherwise."""
+    """A bounded soak: CLIENTS clients for DURATION seconds; then no request may have failed and the
+    router must be empty: no generation or segment in flight, no session pinned to a replica, no
+    idle lease left. Exits 1 otherwise."""
     from relay_serve.bench.soak import SoakSettings, run_soak
     from relay_serve.eval.runner import service
 
@@ -297,7 +297,7 @@ def soak_cmd(
         )
         for err in report["first_errors"]:
             typer.echo(f"  failed: {err}", err=True)
-        typer.echo("PASSED" if report["passed"] else "FAILED")
+        typer.echo("PASSED" if report["passed"] else "FAILED: " + "; ".join(report["failed_checks"]))
     raise typer.Exit(0 if report["passed"] else 1)
 
 

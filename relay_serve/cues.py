@@ -1,5 +1,6 @@
-"""Cue sets: the calibrated switch cues of one model pair, as a versioned pydantic document, and
-the router's view of the active set.
+"""Cue sets: the calibrated switch cues of one model pair, as a versioned pydantic document, the
+active set a request runs with, and the pair's fingerprint. The router's hot-reloading view is
+``serve/cue_provider.py``; the store, ``store.py``.
 
 Until a calibrated set for the serving pair exists in the store, the router uses the documented
 default set (``CueSettings.default_cues``), reported with version ``"default"``.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -107,104 +108,3 @@ def pair_fingerprint(cfg: AppConfig) -> str:
 
 def model_pair(cfg: AppConfig) -> ModelPair:
     return ModelPair(large=cfg.large.model, small=cfg.small.model, fingerprint=pair_fingerprint(cfg))
-
-
-class CueProvider:
-    """The router's active cue set, hot-reloaded from the store.
-
-    ``maybe_refresh`` (called before each request and by the health check) re-reads the store at
-    most every ``poll_interval_s``; a request keeps the set it started with. A set for another
-    pair, a corrupt set or an unreachable store never replaces the last good set: the error is
-    logged and reported by ``status``.
-    """
-
-    def __init__(self, cfg: AppConfig, pair_fingerprint: str, store=None, clock=None) -> None:
-        import time
-
-        self.cfg = cfg
-        self.pair_fingerprint = pair_fingerprint
-        self._clock = clock or time.monotonic
-        self._store = store
-        self._active = ActiveCues(
-            version=DEFAULT_VERSION,
-            cues=list(cfg.cues.default_cues),
-            loaded_at=datetime.now(timezone.utc),
-            source="default",
-        )
-        self.last_error: str | None = None
-        self.last_checked: datetime | None = None
-        self._next_poll = 0.0
-        self._lock = None
-
-    @property
-    def store(self):
-        if self._store is None:
-            from relay_serve.store import CueStore
-
-            self._store = CueStore(self.cfg.cues.store_uri, self.cfg.cues.storage_options)
-        return self._store
-
-    def active(self) -> ActiveCues:
-        return self._active
-
-    async def maybe_refresh(self) -> None:
-        import asyncio
-
-        if self._clock() < self._next_poll:
-            return
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        if self._lock.locked():
-            return  # another request is reading the store; use the current set
-        async with self._lock:
-            self._next_poll = self._clock() + self.cfg.cues.poll_interval_s
-            await asyncio.to_thread(self.refresh)
-
-    def refresh(self) -> None:
-        """Read the store's latest set now; swap it in if it is new, valid and for this pair."""
-        import logging
-
-        log = logging.getLogger(__name__)
-        self.last_checked = datetime.now(timezone.utc)
-        try:
-            version = self.store.latest_version()
-            if version is None or version == self._active.version:
-                self.last_error = None
-                return
-            cue_set = self.store.load(version)
-            if cue_set.pair.fingerprint != self.pair_fingerprint:
-                raise ValueError(
-                    f"cue set {version} is for another model pair ({cue_set.pair.large} + {cue_set.pair.small}, "
-                    f"fingerprint {cue_set.pair.fingerprint}; this pair is {self.pair_fingerprint})"
-                )
-            if not cue_set.selected:
-                raise ValueError(f"cue set {version} selects no cue")
-        except Exception as e:  # noqa: BLE001 - any failure keeps the last good set
-            msg = f"{type(e).__name__}: {e}"
-            if msg != self.last_error:
-                log.warning("keeping cue set %s: %s", self._active.version, msg)
-            self.last_error = msg
-            return
-        self._active = ActiveCues(
-            version=cue_set.version,
-            cues=list(cue_set.selected),
-            loaded_at=datetime.now(timezone.utc),
-            source=f"{self.store.uri}/versions/{cue_set.version}.json",
-        )
-        self.last_error = None
-        log.info("loaded cue set %s: %s", cue_set.version, ", ".join(cue_set.selected))
-
-    def status(self) -> dict:
-        return {
-            "version": self._active.version,
-            "source": self._active.source,
-            "store": self.cfg.cues.store_uri,
-            "ok": self.last_error is None,
-            "last_error": self.last_error,
-            "last_checked": self.last_checked.isoformat() if self.last_checked else None,
-        }
-
-    def describe(self) -> dict:
-        return {**self._active.model_dump(mode="json"), "pair_fingerprint": self.pair_fingerprint, **{
-            k: v for k, v in self.status().items() if k in ("store", "ok", "last_error", "last_checked")
-        }}

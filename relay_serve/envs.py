@@ -4,8 +4,11 @@ RELAY_STATE_DIR     local state (cue store, run records); default: ./.relay-stat
 RELAY_CUE_STORE     cue store URI; default: file://<RELAY_STATE_DIR>/cues
 RELAY_API_KEY       API key that eval, bench and soak send to a --url server (the router's own keys
                     come from the files or variables its config names)
-RELAY_RAY_ADDRESS   Ray cluster address for `relay-serve serve`; default: start a local Ray
+RELAY_RAY_ADDRESS   Ray cluster address to join (serve, the jobs); default: RAY_ADDRESS (what `ray job
+                    submit` sets for a job's driver), else start a local Ray
 RELAY_NUM_CPUS      logical CPUs of a local Ray; default: 8
+RAY_worker_niceness Ray's own; set to 0 (unless set) before a local Ray starts, so the engines run at
+                    normal priority
 """
 
 from __future__ import annotations
@@ -27,11 +30,18 @@ def api_key() -> str | None:
 
 
 def ray_address() -> str | None:
-    return os.environ.get("RELAY_RAY_ADDRESS") or None
+    return os.environ.get("RELAY_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS") or None
 
 
 def num_cpus() -> int:
     return int(os.environ.get("RELAY_NUM_CPUS", "8"))
+
+
+def run_local_ray_workers_at_normal_priority() -> None:
+    """Ray starts its workers at niceness 15 (behind its own daemons). On one machine serving
+    models that is the engines, which then lose the CPU to any daemon: run them at 0 (before
+    ``ray.init`` starts the local raylet, which reads RAY_worker_niceness)."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def get(name: str) -> str | None:

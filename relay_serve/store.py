@@ -7,7 +7,9 @@ Layout under the store's prefix:
     LATEST                    the version readers should use
 
 ``publish`` writes the version first and moves ``LATEST`` last, so a reader sees either the old
-set or the new one, never half of one. Every path is built here from a validated version name:
+set or the new one, never half of one. On a local file system ``LATEST`` is written under a
+temporary name and renamed over the old one (a rename is atomic; a rewrite in place can be read
+empty); object stores replace an object whole. Every path is built here from a validated version name:
 nothing outside the prefix is ever written.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 import fsspec
@@ -59,12 +62,21 @@ class CueStore:
                 raise StoreError(f"version {version} already exists in {self.uri}")
             self.fs.makedirs(self._path("versions"), exist_ok=True)
             self.fs.pipe_file(path, cue_set.model_dump_json(indent=2).encode())
-            self.fs.pipe_file(self._path("LATEST"), version.encode())
+            self._replace(self._path("LATEST"), version.encode())
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - any driver error is a store error
             raise StoreError(f"cannot write to cue store {self.uri}: {type(e).__name__}: {e}") from e
         return f"{self.uri}/versions/{version}.json"
+
+    def _replace(self, path: str, data: bytes) -> None:
+        """Write ``path`` whole: readers see the old content or the new, never a part."""
+        if "file" not in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
+            self.fs.pipe_file(path, data)  # an object store replaces the object in one request
+            return
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, path)
 
     def put_report(self, version: str, files: list[str]) -> str:
         """Copy a run's report files next to its version: ``reports/<version>/<name>``."""

@@ -10,7 +10,9 @@ ten times the small model's cost per token) and ``toy:small``. Stages:
 3. **rounds**: in each round every mode (``large``, ``relay``, ``small``, ``speculative-thinking``
    on relay-serve; ``vllm-large`` on vLLM) runs at each concurrency on the same prompts and seeds,
    the modes in an order that rotates from round to round; every response is graded (pass@1);
-4. optional runs on other apps beside relay (a small-queue bound, the handle transport);
+4. optionally, relay on an app that differs in one setting (a new engine request per segment, the
+   handle transport, a small-queue bound) deployed beside the default app, the two interleaved in
+   rounds of their own;
 5. the report (``report.py``) and its files (``render.py``): ``bench.json``, ``bench.md``, plots.
 
 The engines time every engine request themselves (time to first token, decode time), so the
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from relay_serve.bench.report import BenchReport, PairInfo, RunMetrics, level_report, run_metrics
 from relay_serve.client import chat_body, http_client, post_chat
@@ -126,10 +128,30 @@ def calibrate(cfg: AppConfig, out: Path, progress: bool) -> None:
     run(CalibrationConfig(app=cfg, report_dir=str(out / "calibration")), progress=progress)
 
 
+class Variant(BaseModel):
+    """relay on an app that differs in one setting, run in every round beside the default app."""
+
+    mode: str
+    label: str
+    router: dict[str, Any]
+
+
+def variants(s: BenchSettings) -> list[Variant]:
+    out = []
+    if s.compare_resumable:
+        out.append(Variant(mode="relay-per-segment", label="a new engine request per segment", router={"resumable_requests": False}))
+    if s.compare_transports:
+        out.append(Variant(mode="relay-handle", label="a Ray Serve handle call per segment", router={"transport": "handle"}))
+    if s.small_queue_bound is not None:
+        label = f"at most {s.small_queue_bound} small-model segments in flight (router.max_small_in_flight)"
+        out.append(Variant(mode="relay-bounded", label=label, router={"max_small_in_flight": s.small_queue_bound}))
+    return out
+
+
 @contextlib.contextmanager
 def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[dict[str, tuple[str, str]]]:
-    """Each mode's (base URL, model id): the relay app started here on ``port`` (Serve's one
-    HTTP port), and vLLM's server."""
+    """Each mode's (base URL, model id): the relay app started here on ``port`` (Serve's one HTTP
+    port), and vLLM's server."""
     from ray import serve
 
     from relay_serve.bench.vllm_baseline import VLLMServer
@@ -148,7 +170,7 @@ def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[
         serve.delete(cfg.name)
 
 
-def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[Problem], progress: bool) -> list[RunMetrics]:
+def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[Problem], progress: bool, desc: str = "bench") -> list[RunMetrics]:
     """Every mode at every concurrency, ``s.rounds`` times; the order of the modes rotates."""
     from tqdm import tqdm
 
@@ -156,7 +178,7 @@ def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[P
     for mode, (base, model) in found.items():  # warm up every engine and the prefix caches' empty state
         asyncio.run(fire(base, _bodies(s, mode, model, problems[:4]), 4))
     runs = []
-    with tqdm(total=s.rounds * len(s.concurrency) * len(modes), desc="bench", disable=not progress) as bar:
+    with tqdm(total=s.rounds * len(s.concurrency) * len(modes), desc=desc, disable=not progress) as bar:
         for k in range(s.rounds):
             order = modes[k % len(modes) :] + modes[: k % len(modes)]
             for c in s.concurrency:
@@ -167,41 +189,26 @@ def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[P
     return runs
 
 
-def variant_runs(cfg: AppConfig, s: BenchSettings, problems: list[Problem], baseline: list[RunMetrics], port: int) -> dict[str, list[RunMetrics]]:
-    """relay on apps that differ in one setting, each beside the main rounds' relay run (its median
-    round) at the same concurrency."""
+def variant_rounds(cfg: AppConfig, s: BenchSettings, problems: list[Problem], port: int, progress: bool) -> list[RunMetrics]:
+    """Each variant: its app deployed beside the default one (its name as route prefix), and
+    ``s.rounds`` rounds of the two relays interleaved; then the variant app goes (one at a time:
+    two apps are four engines)."""
     from ray import serve
 
     from relay_serve.serve.local import start
 
-    variants = []
-    if s.small_queue_bound is not None:
-        bounded = cfg.model_copy(deep=True)
-        bounded.router.max_small_in_flight = s.small_queue_bound
-        variants.append(("overload", f"relay (bound {s.small_queue_bound})", bounded, [max(s.concurrency)]))
-    if s.compare_transports:
-        handle = cfg.model_copy(deep=True)
-        handle.router.transport = "handle"
-        variants.append(("transports", "relay (handle)", handle, sorted(s.concurrency)))
-    if s.compare_resumable:
-        per_segment = cfg.model_copy(deep=True)
-        per_segment.router.resumable_requests = False
-        variants.append(("resumable", "relay (a request per segment)", per_segment, sorted(s.concurrency)))
-    sections: dict[str, list[RunMetrics]] = {}
-    for name, label, variant, levels in variants:
-        base = start(variant, port=port)
-        asyncio.run(fire(base, _bodies(s, "relay", "relay", problems[:4]), 4))
-        rows = []
-        for c in levels:
-            rows.append(_median_round([r for r in baseline if r.mode == "relay" and r.concurrency == c]))
-            rows.append(measure(base, "relay", "relay", s, problems, c, 0).model_copy(update={"mode": label}))
-        sections[name] = rows
-        serve.delete(variant.name)
-    return sections
-
-
-def _median_round(runs: list[RunMetrics]) -> RunMetrics:
-    return sorted(runs, key=lambda r: r.latency_p50_s or 0.0)[len(runs) // 2]
+    runs = []
+    base = start(cfg, port=port)
+    try:
+        for v in variants(s):
+            variant = cfg.model_copy(deep=True, update={"name": v.mode, "route_prefix": f"/{v.mode}"})
+            variant.router = variant.router.model_copy(update=v.router)
+            pair = {f"relay-beside-{v.mode}": (base, "relay"), v.mode: (start(variant, port=port), "relay")}
+            runs += rounds(pair, s, problems, progress, desc=v.mode)
+            serve.delete(variant.name)
+    finally:
+        serve.delete(cfg.name)
+    return runs
 
 
 def machine() -> str:
@@ -231,7 +238,8 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
         with targets(cfg, s, out, port) as found:
             cues = httpx.get(found["relay"][0] + "/v1/relay/cues", headers=api_headers(), timeout=30).json()
             runs = rounds(found, s, problems, progress)
-        sections = variant_runs(cfg, s, problems, runs, port)
+        if variants(s):
+            runs += variant_rounds(cfg, s, problems, port, progress)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -243,7 +251,7 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
         pair=PairInfo(large=cfg.large.model, small=cfg.small.model, cue_set_version=cues.get("version"), cues=cues.get("cues", [])),
         levels=[level_report(c, [r for r in runs if r.concurrency == c]) for c in s.concurrency],
         runs=runs,
-        sections=sections,
+        variants={v.mode: v.label for v in variants(s)},
     )
     (out / "bench.json").write_text(report.model_dump_json(indent=2) + "\n")
     (out / "bench.md").write_text(markdown(report))

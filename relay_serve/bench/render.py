@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relay_serve.bench.report import RATIO_LIMIT, BenchReport, RunMetrics, Spread
+from relay_serve.bench.report import RATIO_LIMIT, BenchReport, Spread
 
 MODE_ORDER = ("large", "vllm-large", "relay", "small", "speculative-thinking")
 
@@ -40,16 +40,17 @@ def markdown(report: BenchReport) -> str:
         "",
         "Every mode:",
         "",
-        "| mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | pass@1 | small share | switches/req | false stops/req | cached prompt ratio | router overhead/switch p50 (ms) | decode ms/token (large, small) | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | pass@1 | small share | switches/req | false stops/req | pauses/req | cached prompt ratio | router overhead/switch p50 (ms) | decode ms/token (large, small) | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in r.levels:
-        for mode in sorted(lv.modes, key=lambda m: MODE_ORDER.index(m) if m in MODE_ORDER else 99):
+        for mode in sorted((m for m in lv.modes if m in MODE_ORDER), key=MODE_ORDER.index):
             s = lv.modes[mode]
             dec = ", ".join(s.decode_ms_per_token[m].text() if m in s.decode_ms_per_token else "-" for m in ("large", "small"))
             lines.append(
                 f"| {mode} | {lv.concurrency} | {s.latency_p50_s.text()} | {s.latency_p90_s.text()} | {s.output_tokens_per_s.text()} | "
                 f"{s.pass_at_1:.3f} | {s.small_token_share.text()} | {s.switches_per_request.text()} | {s.false_stops_per_request.text()} | "
+                f"{s.pauses_per_request.text()} | "
                 f"{s.cached_prompt_token_ratio.text()} | {s.router_overhead_per_switch_ms_p50.text()} | {dec} | {s.errors} |"
             )
     errors = [run for run in r.runs if run.errors]
@@ -81,30 +82,29 @@ def markdown(report: BenchReport) -> str:
     for lv in r.levels:
         for model, h in lv.relay_handoff.items():
             lines.append(f"| {lv.concurrency} | {model} | {h.resumed_per_request} | {h.ttft_ms} | {h.decode_ms} | {h.recomputed_tokens} |")
-    for name, runs in r.sections.items():
-        lines += ["", *_section(name, runs)]
+    if r.variants:
+        lines += ["", *_variants(r)]
     return "\n".join(lines) + "\n"
 
 
-SECTION_TITLES = {
-    "overload": "Overload: relay without and with a bound on small-model segments in flight (router.max_small_in_flight); past it the large model keeps the handoff",
-    "transports": "Relay by transport: segments over the leased replica's channel (direct) or a Ray Serve handle call each (handle)",
-    "resumable": "Relay with one resumable engine request per model and generation (the default) against a new engine request per segment",
-}
-
-
-def _section(name: str, runs: list[RunMetrics]) -> list[str]:
+def _variants(r: BenchReport) -> list[str]:
+    """relay beside the same relay on an app that differs in one setting, in rounds of their own."""
     lines = [
-        SECTION_TITLES.get(name, name) + ":",
+        "relay against an app that differs in one setting, deployed beside it, the two interleaved in rounds of their own:",
         "",
-        "| variant | concurrency | p50 latency (s) | output tok/s | small share | router overhead/switch p50 (ms) | kept on large/req | degraded |",
-        "|---|---|---|---|---|---|---|---|",
+        "| relay with | concurrency | p50 latency (s) | output tok/s | handoffs (ms/req) | pauses/req | false stops/req | router overhead/switch p50 (ms) | handoffs kept on large/req | small share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
-        lines.append(
-            f"| {run.mode} | {run.concurrency} | {run.latency_p50_s} | {run.output_tokens_per_s} | {run.small_token_share} | "
-            f"{run.router_overhead_per_switch_ms_p50} | {run.kept_on_large_per_request} | {run.degraded_requests} |"
-        )
+    for mode, label in r.variants.items():
+        for lv in r.levels:
+            for key, name in ((f"relay-beside-{mode}", "the defaults"), (mode, label)):
+                m = lv.modes.get(key)
+                if m is not None:
+                    lines.append(
+                        f"| {name} | {lv.concurrency} | {m.latency_p50_s.text()} | {m.output_tokens_per_s.text()} | {m.handoffs_ms.text()} | "
+                        f"{m.pauses_per_request.text()} | {m.false_stops_per_request.text()} | {m.router_overhead_per_switch_ms_p50.text()} | "
+                        f"{m.kept_on_large_per_request.text()} | {m.small_token_share.text()} |"
+                    )
     return lines
 
 

@@ -84,7 +84,8 @@ class RunMetrics(BaseModel):
     ideal_s_per_token: float | None = Field(None, description="committed tokens at their model's decode cost, per token")
     handoff: dict[str, HandoffCost] = Field(default_factory=dict)
     split_ms: dict[str, float] | None = Field(None, description="a request's mean time: decode, handoffs, router, outside")
-    false_stops_per_request: float | None = None
+    false_stops_per_request: float | None = Field(None, description="segments ended on a cue's stop string where no cue was")
+    pauses_per_request: float | None = Field(None, description="pauses of resumable requests on a possible stop that was none")
     degraded_requests: int = 0
     kept_on_large_per_request: float = 0.0
 
@@ -123,6 +124,7 @@ def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str
     m.kept_on_large_per_request = round(statistics.fmean(u.get("kept_on_large", 0) for u in relay), 3)
     if all("false_stops" in u for u in relay):
         m.false_stops_per_request = round(statistics.fmean(u["false_stops"] for u in relay), 3)
+    m.pauses_per_request = round(sum(e.get("pauses", 0) for e in engine_reqs) / len(ok), 3)
     m.decode_ms_per_token = _decode_costs(engine_reqs)
     if sum(tokens) and all(u[f"{x}_tokens"] == 0 or x in m.decode_ms_per_token for u in relay for x in MODELS):
         decode_s = [sum(u[f"{x}_tokens"] * m.decode_ms_per_token.get(x, 0.0) / 1000 for x in MODELS) for u in relay]
@@ -189,6 +191,9 @@ class ModeSummary(BaseModel):
     cached_prompt_token_ratio: Spread
     router_overhead_per_switch_ms_p50: Spread
     false_stops_per_request: Spread
+    pauses_per_request: Spread
+    handoffs_ms: Spread = Field(description="a request's time inside the engines beyond its tokens' decode cost")
+    kept_on_large_per_request: Spread
     decode_ms_per_token: dict[str, Spread]
 
 
@@ -219,6 +224,9 @@ def summarize_mode(runs: list[RunMetrics]) -> ModeSummary:
         cached_prompt_token_ratio=Spread.of([r.cached_prompt_token_ratio for r in runs]),
         router_overhead_per_switch_ms_p50=Spread.of([r.router_overhead_per_switch_ms_p50 for r in runs], 3),
         false_stops_per_request=Spread.of([r.false_stops_per_request for r in runs], 3),
+        pauses_per_request=Spread.of([r.pauses_per_request for r in runs], 3),
+        handoffs_ms=Spread.of([r.split_ms["handoffs"] if r.split_ms else None for r in runs], 2),
+        kept_on_large_per_request=Spread.of([r.kept_on_large_per_request for r in runs], 3),
         decode_ms_per_token={m: Spread.of([r.decode_ms_per_token.get(m) for r in runs], 3) for m in models},
     )
 
@@ -273,9 +281,7 @@ class BenchReport(BaseModel):
     pair: PairInfo
     levels: list[LevelReport]
     runs: list[RunMetrics]
-    sections: dict[str, list[RunMetrics]] = Field(
-        default_factory=dict, description="extra runs beside relay on other apps (overload bound, handle transport), by name"
-    )
+    variants: dict[str, str] = Field(default_factory=dict, description="relay modes on apps that differ in one setting: what differs")
 
     def level(self, concurrency: int) -> LevelReport:
         return next(lv for lv in self.levels if lv.concurrency == concurrency)

@@ -151,9 +151,20 @@ def run_soak(base: str, s: SoakSettings, progress: bool = True) -> dict[str, Any
         "router_python_blocks": {k: v["python_blocks"] for k, v in phases.items()},
         "affinity_sessions": {k: v["affinity_sessions"] for k, v in phases.items()},
     }
-    report["passed"] = (
-        load["errors"] == 0
-        and after["in_flight"] == 0
-        and after["affinity_sessions"] == before["affinity_sessions"]
-    )
+    report["failed_checks"] = failed_checks(load["errors"], after)
+    report["passed"] = not report["failed_checks"]
     return report
+
+
+def failed_checks(errors: int, after: dict[str, Any]) -> list[str]:
+    """What the soak requires of the router once the load is gone and ``settle_s`` passed: no
+    failed request, and nothing left: no generation or segment in flight, no session pinned to a
+    replica, no idle lease (they expire after ``router.lease_idle_s``)."""
+    checks = {
+        f"{errors} requests failed": errors == 0,
+        f"{after.get('in_flight')} generations still in flight": after.get("in_flight") == 0,
+        f"{after.get('affinity_sessions')} sessions still pinned to replicas": after.get("affinity_sessions") == 0,
+        f"segments still in flight: {after.get('segments_in_flight')}": not any((after.get("segments_in_flight") or {}).values()),
+        f"{after.get('idle_leases')} idle leases did not expire": not after.get("idle_leases"),
+    }
+    return [what for what, ok in checks.items() if not ok]

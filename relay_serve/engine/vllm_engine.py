@@ -191,6 +191,7 @@ class OfflineEngine:
         prompts: list[list[int]],
         max_tokens: int,
         temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
         progress: bool = False,
@@ -204,6 +205,7 @@ class OfflineEngine:
             SamplingParams(
                 max_tokens=max_tokens,
                 temperature=temperature,
+                top_p=top_p,
                 seed=None if seed is None else seed + i,
                 ignore_eos=ignore_eos,
                 skip_special_tokens=False,

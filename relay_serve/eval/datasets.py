@@ -100,9 +100,3 @@ def _jsonl_rows(path: Path) -> list[Problem]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DatasetError(f"{path}:{lineno}: not a {{\"problem\": ..., \"answer\": ...}} line ({e})") from e
     return out
-
-
-def shuffled(problems: list[Problem], seed: int) -> list[Problem]:
-    out = list(problems)
-    random.Random(seed).shuffle(out)
-    return out

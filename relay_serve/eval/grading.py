@@ -3,7 +3,7 @@ closed), boxed answer first, then math-verify's usual fall-backs."""
 
 from __future__ import annotations
 
-from relay_serve.relay.policy import THINK_CLOSE
+from relay_serve.relay.text import THINK_CLOSE
 
 
 def answer_part(text: str) -> str:

@@ -12,10 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from relay_serve.relay.session import Policy, SegmentOutcome, Session, SmallModelUnavailable
-from relay_serve.relay.text import SENTENCE_STOPS, cue_stop_strings, find_cue
+from relay_serve.relay.text import SENTENCE_STOPS, THINK_CLOSE, cue_stop_strings, find_cue
 from relay_serve.relay.types import ModelRole
 
-THINK_CLOSE = "</think>"
 PolicyName = Literal["relay", "large", "small", "speculative-thinking"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("relay", "large", "small", "speculative-thinking")
 

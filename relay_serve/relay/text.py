@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the reasoning markers (Qwen3's, the toy pair's)
 TERMINALS = ".!?"
 SENTENCE_SPACES = (" ", "\n")  # what follows terminal punctuation at a sentence end
 # The stop strings and the rule are one definition: a stop the engine reports is the first sentence

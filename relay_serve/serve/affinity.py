@@ -58,7 +58,7 @@ class SessionAffinityRouter(RequestRouter):
 
     def _two_least_loaded(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         def load(r: RunningReplica) -> tuple[int, float]:
-            q = self._replica_queue_len_cache.get(r.replica_id)
+            q = self.replica_queue_len_cache.get(r.replica_id)
             return (0 if q is None else q, random.random())
 
         return sorted(replicas, key=load)[:2]

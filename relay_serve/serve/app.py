@@ -25,9 +25,10 @@ def build_app(cfg: AppConfig):
     """The Ray Serve application for ``cfg`` (refuses a pair whose tokenizers differ)."""
     from ray import serve
 
-    from relay_serve.serve.router import RelayRouter, check_same_tokenizer
+    from relay_serve.serve.router import RelayRouter
+    from relay_serve.tokenizer import check_pair
 
-    check_same_tokenizer(cfg)
+    check_pair(cfg)
     # The direct transport needs the router too (it follows which replicas Serve routes to); its
     # lease calls carry no session id, so it ranks the two least loaded replicas.
     affinity = cfg.router.session_affinity or cfg.router.transport == "direct"

@@ -7,14 +7,17 @@ at the granularity of a generation (a *lease*, see ``transport.py``); the segmen
 generation travel over this channel instead.
 
 Wire format: frames of a 4-byte big-endian length and a msgpack body (msgspec), at most
-``MAX_FRAME_BYTES``. The client's first frame is ``{"op": "hello", "token": ...}``: the replica's
-token, handed out only with a lease through Ray Serve; a connection with a wrong token is closed.
-Then, client to replica: ``{"op": "generate", "id", "stream", "request"}``, ``{"op": "cancel",
-"id"}`` and ``{"op": "end", "session"}`` (a generation ended: its resumable engine request goes);
-replica to client: ``{"id", "chunk"}`` (an EngineChunk as a mapping; a
-non-streamed request gets one, the whole output) or ``{"id", "error"}``. Requests are multiplexed
-on one connection by id; a closed connection fails every request still open on it, and the replica
-aborts every engine request of a connection that closed.
+``MAX_FRAME_BYTES`` (``MAX_HELLO_BYTES`` before the hello is checked). Every lease gets a token of
+its own, through Ray Serve, valid while the lease lives: the client's first frame is ``{"op":
+"hello", "token": ...}`` with a live lease's token (else the connection is closed), and every
+``{"op": "generate", "id", "stream", "token", "request"}`` carries the token of the lease it runs
+under (a segment under an ended lease is refused: Serve's admission and the API keys cannot be
+gone around with a token seen once). Also ``{"op": "cancel", "id"}`` and ``{"op": "end",
+"session"}`` (a generation ended: its resumable engine request goes). Replica to client: ``{"id",
+"chunk"}`` (an EngineChunk as a mapping; a non-streamed request gets one, the whole output) or
+``{"id", "error"}``. Requests are multiplexed on one connection by id; a closed connection fails
+every request still open on it, and the replica aborts every engine request of a connection that
+closed. A request whose chunks the router does not read fails after ``MAX_PENDING_CHUNKS``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 
 FRAME = struct.Struct("!I")
 MAX_FRAME_BYTES = 64 << 20
+MAX_HELLO_BYTES = 4096  # what an unauthenticated connection may send
+MAX_PENDING_CHUNKS = 4096  # chunks of one request the router has not read yet
 HELLO_TIMEOUT_S = 10.0
 
 _encoder = msgspec.msgpack.Encoder()
@@ -69,11 +74,12 @@ def pack(message: dict[str, Any]) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
-async def read_message(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """The next frame; IncompleteReadError at the end of the stream, ChannelError when malformed."""
+async def read_message(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES) -> dict[str, Any]:
+    """The next frame; IncompleteReadError at the end of the stream, ChannelError when malformed
+    or over ``limit`` bytes."""
     (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > MAX_FRAME_BYTES:
-        raise ChannelError(f"a frame of {size} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    if size > limit:
+        raise ChannelError(f"a frame of {size} bytes exceeds the limit of {limit}")
     try:
         message = _decoder.decode(await reader.readexactly(size))
     except msgspec.DecodeError as e:
@@ -93,13 +99,14 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
 
 
 class SegmentServer:
-    """Serves segment requests on ``host`` (port 0: any free port) with ``handler``."""
+    """Serves segment requests on ``host`` (port 0: any free port) with ``handler``, to holders of
+    a live lease token (:meth:`issue_token`, :meth:`revoke_token`)."""
 
-    def __init__(self, handler: SegmentHandler, host: str, port: int = 0, token: str | None = None) -> None:
+    def __init__(self, handler: SegmentHandler, host: str, port: int = 0) -> None:
         self.handler = handler
         self.host = host
         self.port = port
-        self.token = token or secrets.token_urlsafe(24)
+        self._tokens: set[bytes] = set()
         self.connections = 0
         self.refused = 0
         self._server: asyncio.Server | None = None
@@ -111,18 +118,39 @@ class SegmentServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    def issue_token(self) -> str:
+        """A token for a new lease: it opens connections and admits segments until revoked."""
+        token = secrets.token_urlsafe(24)
+        self._tokens.add(token.encode())
+        return token
+
+    def revoke_token(self, token: str) -> None:
+        self._tokens.discard(token.encode())
+
+    def _valid(self, token: Any) -> bool:
+        if not isinstance(token, str):
+            return False
+        given, found = token.encode(), False
+        for live in list(self._tokens):
+            found |= hmac.compare_digest(given, live)  # every live token, in constant time each
+        return found
+
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._connection, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("segment channel listening on %s", self.address)
 
-    async def close(self) -> None:
+    def shutdown(self) -> None:
         """Stop listening and drop every connection (their open requests are aborted here and
-        fail at once on the routers, which retry elsewhere)."""
+        fail at once on the routers, which retry elsewhere). The replica's shutdown calls it."""
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):
             writer.close()
+        self._tokens.clear()
+
+    async def close(self) -> None:
+        self.shutdown()
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -134,12 +162,11 @@ class SegmentServer:
         self._writers.add(writer)
         try:
             try:
-                hello = await asyncio.wait_for(read_message(reader), HELLO_TIMEOUT_S)
+                hello = await asyncio.wait_for(read_message(reader, MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 self.refused += 1
                 return
-            token = hello.get("token")
-            if hello.get("op") != "hello" or not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            if hello.get("op") != "hello" or not self._valid(hello.get("token")):
                 self.refused += 1
                 log.warning("segment channel: refused a connection from %s (no valid token)", peer)
                 return
@@ -157,6 +184,9 @@ class SegmentServer:
                     log.warning("segment channel: a message without an id from %s; closing", peer)
                     return
                 if op == "generate" and rid not in tasks:
+                    if not self._valid(message.get("token")):
+                        writer.write(pack({"id": rid, "error": "LeaseExpired: the segment's lease is not live on this replica"}))
+                        continue
                     request, stream = message.get("request"), message.get("stream")
                     stream = stream if stream == "first" else bool(stream)
                     tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks, conn))
@@ -214,6 +244,7 @@ class Channel:
 
     @classmethod
     async def connect(cls, address: str, token: str, timeout_s: float = 10.0) -> Channel:
+        """Open a connection with a live lease's ``token``."""
         host, _, port = address.rpartition(":")
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout_s)
@@ -232,14 +263,15 @@ class Channel:
         if self.closed is None:
             self._writer.write(pack({"op": "end", "session": session_id}))
 
-    async def request(self, request: dict[str, Any], stream: bool | str) -> AsyncIterator[dict[str, Any]]:
-        """The replica's EngineChunk mappings for one request; closing early cancels it there."""
+    async def request(self, request: dict[str, Any], stream: bool | str, token: str) -> AsyncIterator[dict[str, Any]]:
+        """The replica's EngineChunk mappings for one request under the lease of ``token``;
+        closing early cancels it there."""
         if self.closed is not None:
             raise self.closed
         rid = next(self._ids)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(MAX_PENDING_CHUNKS)
         self._pending[rid] = queue
-        self._writer.write(pack({"op": "generate", "id": rid, "stream": stream, "request": request}))
+        self._writer.write(pack({"op": "generate", "id": rid, "stream": stream, "token": token, "request": request}))
         done = False
         try:
             while True:
@@ -266,9 +298,17 @@ class Channel:
         try:
             while True:
                 message = await read_message(self._reader)
-                queue = self._pending.get(message.get("id"))
-                if queue is not None:  # else: a request given up on (cancelled) still answered
-                    queue.put_nowait(message)
+                rid = message.get("id")
+                queue = self._pending.get(rid)
+                if queue is None:
+                    continue  # a request given up on (cancelled) still answered
+                if queue.full():  # nobody reads this request: fail it rather than grow without end
+                    self._pending.pop(rid)
+                    self._writer.write(pack({"op": "cancel", "id": rid}))
+                    queue.get_nowait()
+                    queue.put_nowait(ChannelError(f"request {rid}: over {MAX_PENDING_CHUNKS} chunks were not read"))
+                    continue
+                queue.put_nowait(message)
         except asyncio.IncompleteReadError:
             reason = "closed by the replica"
         except asyncio.CancelledError:
@@ -283,6 +323,8 @@ class Channel:
             return
         self.closed = error
         for queue in self._pending.values():
+            if queue.full():
+                queue.get_nowait()  # the error goes in even where the reader fell behind
             queue.put_nowait(error)
         self._writer.close()
 
@@ -297,29 +339,29 @@ class ChannelPool:
     def __init__(self, connect_timeout_s: float = 10.0) -> None:
         self.connect_timeout_s = connect_timeout_s
         self._channels: dict[str, Channel] = {}
-        self._connecting: dict[str, asyncio.Future] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
 
     def __len__(self) -> int:
         return sum(1 for c in self._channels.values() if c.closed is None)
 
     async def get(self, address: str, token: str) -> Channel:
+        """The connection to ``address``, opened with ``token`` (a live lease's) if there is none.
+        One connect runs at a time per address, in a task of its own: a caller that is cancelled
+        while it waits does not cancel the connect the others wait on."""
         channel = self._channels.get(address)
         if channel is not None and channel.closed is None:
             return channel
-        waiting = self._connecting.get(address)
-        if waiting is not None:
-            return await asyncio.shield(waiting)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._connecting[address] = future
+        connect = self._connecting.get(address)
+        if connect is None:
+            connect = self._connecting[address] = asyncio.ensure_future(self._connect(address, token))
+            connect.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
+        return await asyncio.shield(connect)
+
+    async def _connect(self, address: str, token: str) -> Channel:
         try:
             channel = await Channel.connect(address, token, self.connect_timeout_s)
             self._channels[address] = channel
-            future.set_result(channel)
             return channel
-        except BaseException as e:
-            future.set_exception(e if isinstance(e, Exception) else ChannelError(f"connecting to {address} was cancelled"))
-            future.exception()  # retrieved: waiters (if any) get it too
-            raise
         finally:
             self._connecting.pop(address, None)
 

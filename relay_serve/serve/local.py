@@ -55,6 +55,7 @@ def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
     else:
+        envs.run_local_ray_workers_at_normal_priority()
         ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
 
 

@@ -167,15 +167,18 @@ class ModelServer:
 
     async def lease(self, lease_id: str, ttl_s: float) -> AsyncIterator[dict[str, Any]]:
         """Hold this replica for a router's generations, one at a time: first the segment
-        channel's address and token, then nothing until the router cancels the call or ``ttl_s``
-        passes. Ray Serve counts the open call as an ongoing request of this replica."""
+        channel's address and a token of this lease's own, then nothing until the router cancels
+        the call or ``ttl_s`` passes; the token dies with the lease. Ray Serve counts the open
+        call as an ongoing request of this replica."""
         channel = await self._segment_channel()
+        token = channel.issue_token()
         self.leases_held += 1
         try:
-            yield {"address": channel.address, "token": channel.token, "replica_id": self.replica_id, "resumable": self.resumable}
+            yield {"address": channel.address, "token": token, "replica_id": self.replica_id, "resumable": self.resumable}
             await asyncio.sleep(ttl_s)
         finally:
             self.leases_held -= 1
+            channel.revoke_token(token)
 
     async def _segment_channel(self) -> SegmentServer:
         async with self._channel_lock:  # started on the loop the engine runs on, once
@@ -203,6 +206,11 @@ class ModelServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        """Ray Serve calls it when the replica stops: the channel stops listening and drops its
+        connections (the routers fail those segments over at once), then the engine goes."""
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.shutdown()
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relay_serve.config import AppConfig
-from relay_serve.cues import CueProvider
+from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.relay.policy import POLICY_NAMES, make_policy
 from relay_serve.relay.session import EngineError, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings, TextDelta
@@ -38,7 +38,7 @@ from relay_serve.serve.openai_api import (
     new_id,
     now,
 )
-from relay_serve.tokenizer import Codec, load_codec
+from relay_serve.tokenizer import check_pair
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +50,10 @@ MODEL_DESCRIPTIONS = {
 }
 
 
-class TokenizerMismatch(RuntimeError):
-    pass
-
-
-def check_same_tokenizer(cfg: AppConfig) -> Codec:
-    """The pair must share a tokenizer (handoffs pass token ids); refuse other pairs at start-up."""
-    large, small = load_codec(cfg.large.tokenizer_path), load_codec(cfg.small.tokenizer_path)
-    if large.fingerprint != small.fingerprint:
-        raise TokenizerMismatch(
-            f"the large model's tokenizer ({cfg.large.tokenizer_path}, {large.fingerprint}) differs from the "
-            f"small model's ({cfg.small.tokenizer_path}, {small.fingerprint}); relay-serve hands token ids "
-            "between the two models and needs a pair that shares one tokenizer"
-        )
-    return large
-
-
 class RelayRouter:
     def __init__(self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None) -> None:
         self.cfg = AppConfig.model_validate(config)
-        self.codec = check_same_tokenizer(self.cfg)
+        self.codec = check_pair(self.cfg)
         if backend is None:
             from relay_serve.serve import affinity_registry
             from relay_serve.serve.backend import ServeBackend

@@ -258,7 +258,7 @@ class DirectTransport:
             channel = await self.pool.get(info.address, info.token)
             body = request.model_dump()
             body["resume"] = self.resumable and info.resumable and self.affinity
-            async for data in channel.request(body, stream):
+            async for data in channel.request(body, stream, info.token):
                 yield EngineChunk.model_validate(data)
         except Exception as e:
             self.drop(request.session_id, request.model)  # the retry takes a new lease (a live replica)

@@ -18,6 +18,8 @@ This module knows nothing of tokenizers, models or serving.
 
 from __future__ import annotations
 
+from relay_serve.relay.text import THINK_CLOSE, THINK_OPEN  # noqa: F401 - re-exported for the toy modules
+
 import hashlib
 import random
 from dataclasses import dataclass
@@ -26,7 +28,6 @@ from functools import cached_property
 HOP_WORDS = {3: "three", 4: "four", 5: "five", 6: "six"}
 HARD_CUES = ("First,", "Next,", "Now,")
 EASY_CUES = ("Thus,", "Wait,", "Therefore,")
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 LETTERS = "bcdfghkmnprstvwz"  # no vowels: no entity name reads as a word or a math constant
 
 

@@ -108,14 +108,17 @@ def test_report_files_and_summary_line(tmp_path):
 
     runs = runs_of_three_rounds()
     runs += [run_metrics("vllm-large", 1, k, [{"_latency_s": 0.55, "_correct": True, "usage": {"completion_tokens": 20}}], 1.0) for k in range(3)]
+    runs += [run_metrics("relay-bounded", 1, k, [relay_result(0.45)], 1.0) for k in range(3)]
+    runs += [run_metrics("relay-beside-relay-bounded", 1, k, [relay_result(0.42)], 1.0) for k in range(3)]
     report = BenchReport(
         started="2026-12-04 12:00", machine="x86_64, 2 CPUs", command="relay-serve bench", settings={"rounds": 3},
         pair=PairInfo(large="toy:large-wide", small="toy:small", cue_set_version="v1", cues=["Thus,"]), levels=[level_report(1, runs)], runs=runs,
-        sections={"overload": [runs[2], runs[2].model_copy(update={"mode": "relay (bound 4)"})]},
+        variants={"relay-bounded": "at most 4 small-model segments in flight"},
     )  # fmt: skip
     md = markdown(report)
     assert "`relay-serve bench`" in md and "toy:large-wide" in md and "| 1 | 1.5 [" in md
-    assert "| vllm-large | 1 | 0.55 |" in md and "| relay (bound 4) | 1 |" in md
+    assert "| vllm-large | 1 | 0.55 |" in md and "| at most 4 small-model segments in flight | 1 | 0.45 |" in md
+    assert "| the defaults | 1 | 0.42 |" in md
     assert "| 1 | large | 1.0 | 40.0 | 20.0 | 4.0 |" in md
     paths = plots(report, tmp_path)
     assert [p.name for p in paths] == ["speedup.png", "latency.png", "relay_time_split.png"]

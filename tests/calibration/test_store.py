@@ -45,7 +45,7 @@ def test_latest_moves_last(tmp_path, monkeypatch):
     real = store.fs.pipe_file
 
     def fail_on_latest(path, data, **kw):
-        if path.endswith("LATEST"):
+        if "LATEST" in path:
             raise OSError("disk full")
         return real(path, data, **kw)
 
@@ -53,6 +53,23 @@ def test_latest_moves_last(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match="disk full"):
         store.publish(make_set("v2"))
     assert store.latest_version() == "v1"  # readers still see the old, whole set
+
+
+def test_latest_is_never_rewritten_in_place_and_moves_after_the_version(tmp_path, monkeypatch):
+    """On file://, LATEST is written under another name and renamed over the old one (a reader
+    never sees it empty), after the version it names is written."""
+    store = CueStore((tmp_path / "cues").as_uri())
+    store.publish(make_set("v1"))
+    ops = []
+    pipe, mv = store.fs.pipe_file, store.fs.mv
+    monkeypatch.setattr(store.fs, "pipe_file", lambda path, data, **kw: (ops.append(("write", path)), pipe(path, data, **kw))[1])
+    monkeypatch.setattr(store.fs, "mv", lambda src, dst, **kw: (ops.append(("rename", dst)), mv(src, dst, **kw))[1])
+    store.publish(make_set("v2"))
+    latest = store._path("LATEST")
+    assert ("write", latest) not in ops  # never rewritten in place
+    assert [op for op in ops if op[1] == latest] == [("rename", latest)]
+    assert ops.index(("write", store._path("versions", "v2.json"))) < ops.index(("rename", latest))
+    assert store.latest_version() == "v2" and not list((tmp_path / "cues").glob("*.tmp"))
 
 
 def test_versions_cannot_leave_the_prefix(tmp_path):

@@ -60,11 +60,12 @@ class Runner:
 async def serve(runner, **kw) -> SegmentServer:
     server = SegmentServer(runner, host="127.0.0.1", **kw)
     await server.start()
+    server.token = server.issue_token()  # as a lease would get one
     return server
 
 
-async def collect(channel: Channel, request: dict, stream: bool = True) -> list[dict]:
-    return [c async for c in channel.request(request, stream)]
+async def collect(channel: Channel, request: dict, stream: bool = True, token: str | None = None) -> list[dict]:
+    return [c async for c in channel.request(request, stream, token or channel.test_token)]
 
 
 async def cancelled_soon(runner: Runner, within_s: float = 1.0) -> list[int]:
@@ -80,6 +81,7 @@ def test_chunks_arrive_in_order_streamed_or_whole():
     async def go():
         server = await serve(Runner())
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         streamed = await collect(channel, {"n": 4})
         whole = await collect(channel, {"n": 3}, stream=False)
         channel.close()
@@ -95,6 +97,7 @@ def test_concurrent_requests_share_one_connection_without_mixing():
     async def go():
         server = await serve(Runner(delay_s=0.001))
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         outs = await asyncio.gather(*(collect(channel, {"n": 5, "base": 100 * k}) for k in range(8)))
         connections = server.connections
         channel.close()
@@ -112,7 +115,8 @@ def test_closing_a_request_early_cancels_it_on_the_replica():
         runner = Runner(delay_s=0.01)
         server = await serve(runner)
         channel = await Channel.connect(server.address, server.token)
-        stream = channel.request({"n": 100}, True)
+        channel.test_token = server.token
+        stream = channel.request({"n": 100}, True, server.token)
         await stream.__anext__()
         await stream.aclose()
         cancelled = await cancelled_soon(runner)
@@ -142,9 +146,10 @@ def test_a_failed_request_is_reported_to_it_alone():
     async def go():
         server = await serve(Runner(fail_at=1))
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         got = []
         with pytest.raises(RemoteError, match="RuntimeError: engine died"):
-            async for chunk in channel.request({"n": 3}, True):
+            async for chunk in channel.request({"n": 3}, True, server.token):
                 got.append(chunk)
         server.handler = Runner()  # the replica recovers; the connection was never in question
         after = await collect(channel, {"n": 2})
@@ -160,6 +165,7 @@ def test_a_replica_that_goes_away_fails_its_open_requests_at_once():
     async def go():
         server = await serve(Runner(delay_s=10))
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         task = asyncio.create_task(collect(channel, {"n": 5}))
         await asyncio.sleep(0.05)
         await server.close()  # stops listening and drops the connection, as a dead process would
@@ -179,7 +185,8 @@ def test_a_router_that_goes_away_has_its_requests_aborted():
         runner = Runner(delay_s=0.01)
         server = await serve(runner)
         channel = await Channel.connect(server.address, server.token)
-        stream = channel.request({"n": 1000}, True)
+        channel.test_token = server.token
+        stream = channel.request({"n": 1000}, True, server.token)
         await stream.__anext__()
         channel.close()  # the router's end of the connection closes
         cancelled = await cancelled_soon(runner)
@@ -207,6 +214,7 @@ def test_hostile_frames_close_that_connection_only(garbage):
         writer.write_eof()
         assert await asyncio.wait_for(reader.read(), 5) == b""  # the replica closed it, answering nothing
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         out = await collect(channel, {"n": 2})
         channel.close()
         await server.close()
@@ -219,7 +227,7 @@ def test_a_request_that_is_not_a_mapping_is_an_error_for_that_request():
     async def go():
         server = await serve(Runner())
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(pack({"op": "hello", "token": server.token}) + pack({"op": "generate", "id": 7, "request": [1, 2]}))
+        writer.write(pack({"op": "hello", "token": server.token}) + pack({"op": "generate", "id": 7, "token": server.token, "request": [1, 2]}))
         (size,) = struct.unpack("!I", await reader.readexactly(4))
         import msgspec
 
@@ -241,7 +249,7 @@ def test_the_pool_opens_one_connection_per_replica_and_reopens_a_dropped_one():
         pool.drop(server.address, "a test")
         assert a.closed is not None
         c = await pool.get(server.address, server.token)
-        out = await collect(c, {"n": 1})
+        out = await collect(c, {"n": 1}, token=server.token)
         pool.close()
         await server.close()
         return same, c is not a, out, server.connections
@@ -266,6 +274,7 @@ def test_a_generation_end_reaches_the_replica_and_a_closed_connection_ends_its_p
         runner = Runner()
         server = await serve(runner)
         channel = await Channel.connect(server.address, server.token)
+        channel.test_token = server.token
         await collect(channel, {"n": 2})
         channel.end_session("gen-7")
         await collect(channel, {"n": 1})  # the end was read before this request
@@ -279,3 +288,83 @@ def test_a_generation_end_reaches_the_replica_and_a_closed_connection_ends_its_p
         await server.close()
 
     asyncio.run(go())
+
+
+def test_a_token_dies_with_its_lease():
+    """A lease's token opens connections and admits segments only while the lease lives: one seen
+    once cannot get past Serve's admission later."""
+
+    async def go():
+        server = await serve(Runner())
+        other = server.issue_token()  # another lease, still live
+        channel = await Channel.connect(server.address, server.token)
+        assert len(await collect(channel, {"n": 2}, token=server.token)) == 2
+        server.revoke_token(server.token)  # its lease ended
+        with pytest.raises(RemoteError, match="LeaseExpired"):
+            await collect(channel, {"n": 2}, token=server.token)
+        assert len(await collect(channel, {"n": 1}, token=other)) == 1  # the connection serves live leases
+        stale = await Channel.connect(server.address, server.token)
+        with pytest.raises(ChannelError):
+            await collect(stale, {"n": 1}, token=other)
+        channel.close()
+        await server.close()
+        return server.refused
+
+    assert asyncio.run(go()) == 1
+
+
+def test_a_connection_may_not_send_a_big_frame_before_its_hello_is_checked():
+    async def go():
+        server = await serve(Runner())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(struct.pack("!I", 1 << 20))  # announces a 1 MiB first frame
+        closed = await asyncio.wait_for(reader.read(), 2)  # the replica closes without reading it
+        writer.close()
+        await server.close()
+        return closed, server.refused, server.connections
+
+    assert asyncio.run(go()) == (b"", 1, 0)
+
+
+def test_a_cancelled_connect_does_not_fail_the_others_waiting_on_it():
+    async def go():
+        server = await serve(Runner())
+        pool = ChannelPool()
+        first = asyncio.create_task(pool.get(server.address, server.token))
+        second = asyncio.create_task(pool.get(server.address, server.token))
+        await asyncio.sleep(0)
+        first.cancel()  # the generation that started the connect went away
+        channel = await second
+        out = await collect(channel, {"n": 2}, token=server.token)
+        pool.close()
+        await server.close()
+        return first.cancelled(), len(out)
+
+    assert asyncio.run(go()) == (True, 2)
+
+
+def test_a_request_nobody_reads_fails_instead_of_growing_without_end(monkeypatch):
+    from relay_serve.serve import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "MAX_PENDING_CHUNKS", 5)
+
+    async def go():
+        runner = Runner()
+        server = await serve(runner)
+        channel = await Channel.connect(server.address, server.token)
+        unread = channel.request({"n": 50}, True, server.token)
+        await unread.__anext__()  # sent; then nobody reads
+        for _ in range(100):
+            if runner.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ChannelError, match="were not read"):
+            async for _ in unread:
+                pass
+        other = await collect(channel, {"n": 3}, token=server.token)  # the connection goes on
+        channel.close()
+        await server.close()
+        return runner.cancelled, len(other)
+
+    cancelled, other = asyncio.run(go())
+    assert cancelled == [50] and other == 3

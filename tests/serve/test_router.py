@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from relay_serve.relay.types import EngineChunk
-from relay_serve.serve.router import RelayRouter, TokenizerMismatch
+from relay_serve.serve.router import RelayRouter
+from relay_serve.tokenizer import TokenizerMismatch
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.fakes import FakeBackend, follow
 
@@ -156,6 +157,33 @@ def test_oversized_body_is_413():
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_chunked_body_without_a_length_past_the_limit_is_413():
+    router, _ = make_router(max_request_bytes=2048)
+
+    async def go():
+        async def body():
+            for _ in range(10):
+                yield b'{"model": "relay", "user": "' + b"u" * 500  # never says how long it is
+
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.post("/v1/chat/completions", content=body(), headers={"content-type": "application/json"})
+
+    r = asyncio.run(go())
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_generation_past_the_request_timeout_is_a_504():
+    router, backend = make_router(request_timeout_s=0.3)
+    backend.delay_s = 0.05  # about 40 tokens: 2 s
+    r = call(router, "POST", "/v1/chat/completions", chat(model="large"))
+    assert r.status_code == 504 and "longer than 0.3 s" in r.json()["error"]["message"]
+    events = sse_events(call(router, "POST", "/v1/chat/completions", chat(model="large", stream=True)).text)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+    assert router.in_flight == 0 and backend.cancelled == 2  # both engine requests were aborted
+
+
 def test_unknown_route_has_an_error_body():
     router, _ = make_router()
     r = call(router, "GET", "/v2/nothing")
@@ -176,6 +204,20 @@ def test_engine_failure_is_a_5xx_with_an_error_body():
     events = sse_events(rs.text)
     assert events[-1] == "[DONE]" and "replica died" in events[-2]["error"]["message"]
     assert router.in_flight == 0
+
+
+def test_an_unavailable_small_model_is_a_503_for_the_modes_that_need_it():
+    """small and speculative-thinking cannot do without the small model (503, model_unavailable);
+    relay degrades to the large model instead (200)."""
+    router, backend = make_router()
+    backend.unavailable.add("small")
+    for model in ("small", "speculative-thinking"):
+        r = call(router, "POST", "/v1/chat/completions", chat(model=model))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+        events = sse_events(call(router, "POST", "/v1/chat/completions", chat(model=model, stream=True)).text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "model_unavailable"
+    r = call(router, "POST", "/v1/chat/completions", chat(model="relay"))
+    assert r.status_code == 200 and r.json()["usage"]["relay"]["degraded"]
 
 
 def test_a_pair_with_different_tokenizers_is_refused(tmp_path):
