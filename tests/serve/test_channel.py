@@ -64,6 +64,13 @@ async def serve(runner, **kw) -> SegmentServer:
     return server
 
 
+async def connect(server: SegmentServer) -> Channel:
+    """A connection opened with the server's lease token; its requests carry that token."""
+    channel = await Channel.connect(server.address, server.token)
+    channel.test_token = server.token
+    return channel
+
+
 async def collect(channel: Channel, request: dict, stream: bool = True, token: str | None = None) -> list[dict]:
     return [c async for c in channel.request(request, stream, token or channel.test_token)]
 
@@ -80,8 +87,7 @@ async def cancelled_soon(runner: Runner, within_s: float = 1.0) -> list[int]:
 def test_chunks_arrive_in_order_streamed_or_whole():
     async def go():
         server = await serve(Runner())
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         streamed = await collect(channel, {"n": 4})
         whole = await collect(channel, {"n": 3}, stream=False)
         channel.close()
@@ -96,8 +102,7 @@ def test_chunks_arrive_in_order_streamed_or_whole():
 def test_concurrent_requests_share_one_connection_without_mixing():
     async def go():
         server = await serve(Runner(delay_s=0.001))
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         outs = await asyncio.gather(*(collect(channel, {"n": 5, "base": 100 * k}) for k in range(8)))
         connections = server.connections
         channel.close()
@@ -114,8 +119,7 @@ def test_closing_a_request_early_cancels_it_on_the_replica():
     async def go():
         runner = Runner(delay_s=0.01)
         server = await serve(runner)
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         stream = channel.request({"n": 100}, True, server.token)
         await stream.__anext__()
         await stream.aclose()
@@ -135,7 +139,7 @@ def test_a_connection_without_the_token_is_refused():
         server = await serve(runner)
         channel = await Channel.connect(server.address, "not-the-token")
         with pytest.raises(ChannelError, match="closed by the replica"):
-            await collect(channel, {"n": 2})
+            await collect(channel, {"n": 2}, token="not-the-token")
         return server.refused, runner.started
 
     refused, started = asyncio.run(go())
@@ -145,8 +149,7 @@ def test_a_connection_without_the_token_is_refused():
 def test_a_failed_request_is_reported_to_it_alone():
     async def go():
         server = await serve(Runner(fail_at=1))
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         got = []
         with pytest.raises(RemoteError, match="RuntimeError: engine died"):
             async for chunk in channel.request({"n": 3}, True, server.token):
@@ -164,8 +167,7 @@ def test_a_failed_request_is_reported_to_it_alone():
 def test_a_replica_that_goes_away_fails_its_open_requests_at_once():
     async def go():
         server = await serve(Runner(delay_s=10))
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         task = asyncio.create_task(collect(channel, {"n": 5}))
         await asyncio.sleep(0.05)
         await server.close()  # stops listening and drops the connection, as a dead process would
@@ -184,8 +186,7 @@ def test_a_router_that_goes_away_has_its_requests_aborted():
     async def go():
         runner = Runner(delay_s=0.01)
         server = await serve(runner)
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         stream = channel.request({"n": 1000}, True, server.token)
         await stream.__anext__()
         channel.close()  # the router's end of the connection closes
@@ -213,8 +214,7 @@ def test_hostile_frames_close_that_connection_only(garbage):
         await writer.drain()
         writer.write_eof()
         assert await asyncio.wait_for(reader.read(), 5) == b""  # the replica closed it, answering nothing
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         out = await collect(channel, {"n": 2})
         channel.close()
         await server.close()
@@ -273,8 +273,7 @@ def test_a_generation_end_reaches_the_replica_and_a_closed_connection_ends_its_p
     async def go():
         runner = Runner()
         server = await serve(runner)
-        channel = await Channel.connect(server.address, server.token)
-        channel.test_token = server.token
+        channel = await connect(server)
         await collect(channel, {"n": 2})
         channel.end_session("gen-7")
         await collect(channel, {"n": 1})  # the end was read before this request
@@ -297,13 +296,13 @@ def test_a_token_dies_with_its_lease():
     async def go():
         server = await serve(Runner())
         other = server.issue_token()  # another lease, still live
-        channel = await Channel.connect(server.address, server.token)
+        channel = await connect(server)
         assert len(await collect(channel, {"n": 2}, token=server.token)) == 2
         server.revoke_token(server.token)  # its lease ended
         with pytest.raises(RemoteError, match="LeaseExpired"):
             await collect(channel, {"n": 2}, token=server.token)
         assert len(await collect(channel, {"n": 1}, token=other)) == 1  # the connection serves live leases
-        stale = await Channel.connect(server.address, server.token)
+        stale = await connect(server)
         with pytest.raises(ChannelError):
             await collect(stale, {"n": 1}, token=other)
         channel.close()
@@ -351,7 +350,7 @@ def test_a_request_nobody_reads_fails_instead_of_growing_without_end(monkeypatch
     async def go():
         runner = Runner()
         server = await serve(runner)
-        channel = await Channel.connect(server.address, server.token)
+        channel = await connect(server)
         unread = channel.request({"n": 50}, True, server.token)
         await unread.__anext__()  # sent; then nobody reads
         for _ in range(100):
