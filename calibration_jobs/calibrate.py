@@ -123,6 +123,9 @@ class _EngineWorker:
     def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[list[float]]]:
         return self.engine.score(sequences, starts, top_k=2)
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
 
 def _run_stage(name: str, workers, calls, progress: bool) -> list:
     """Run ``calls`` (one (method, args) per task) over ``workers`` round robin; results in order."""
@@ -205,9 +208,17 @@ def _workers(cfg: CalibrationConfig, model: ModelSettings, times: StageTimes) ->
     return workers
 
 
+def _stop(workers: list) -> None:
+    """Shut the workers' engines down (their engine-core processes with them), then the actors."""
+    import ray
+
+    ray.get([w.shutdown.remote() for w in workers])
+    for w in workers:
+        ray.kill(w)
+
+
 def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes, progress: bool) -> list[list[int]]:
     """The large model's ``samples_per_prompt`` sampled traces of every prompt, in order."""
-    import ray
 
     writers = _workers(cfg, cfg.app.large, times)
     t0 = time.time()
@@ -215,14 +226,12 @@ def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes,
     calls = [("traces", (b, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed + 1000 * i)) for i, b in enumerate(batches)]
     traces = [t for part in _run_stage("traces", writers, calls, progress) for t in part]
     times.traces_s = time.time() - t0
-    for w in writers:
-        ray.kill(w)
+    _stop(writers)
     return traces
 
 
 def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[int]], times: StageTimes, progress: bool) -> list:
     """The small model's top-2 log-probabilities at every token of every trace, teacher-forced."""
-    import ray
 
     scorers = _workers(cfg, cfg.app.small, times)
     t0 = time.time()
@@ -232,8 +241,7 @@ def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[
     calls = [("score", (seqs[i : i + step], [len(p) for p in expanded[i : i + step]])) for i in range(0, len(seqs), step)]
     scored = [r for part in _run_stage("scoring", scorers, calls, progress) for r in part]
     times.scoring_s = time.time() - t0
-    for w in scorers:
-        ray.kill(w)
+    _stop(scorers)
     return scored
 
 
@@ -304,8 +312,6 @@ def build_config(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    import ray
-
     from relay_serve.serve.local import init_ray
 
     envs.route_vllm_logs_to_stderr()

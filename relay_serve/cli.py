@@ -135,10 +135,9 @@ def toy_speed(
         os.environ.setdefault(key, value)  # before the engine starts: as a serving replica runs it
     rows = []
     for name in names:
-        engine = _engine(name, None)
-        for b in sizes:
-            rows.append({"model": name, "batch": b, "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3)})
-        del engine
+        with _engine(name, None) as engine:
+            for b in sizes:
+                rows.append({"model": name, "batch": b, "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3)})
         gc.collect()
     small = {r["batch"]: r["ms_per_token"] for r in rows if r["model"] == "small"}
     for row in rows:
@@ -386,7 +385,6 @@ def serve_cmd(
     port: int = typer.Option(8000, "--port"),
 ) -> None:
     """Start the relay service (local Ray, the toy pair and a local cue store unless configured)."""
-    from relay_serve.config import AppConfig
     from relay_serve.serve.local import serve_forever
 
     serve_forever(_load_config(config), host, port)

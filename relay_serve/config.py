@@ -32,6 +32,9 @@ class DeploymentSettings(Strict):
     )
     max_ongoing_requests: int = Field(64, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    graceful_shutdown_wait_loop_s: float = Field(
+        0.5, gt=0.0, description="a stopping replica looks this often whether its requests (and leases) are done (Serve's default: 2)"
+    )
 
     def serve_options(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
         actor = {**self.ray_actor_options}
@@ -39,7 +42,11 @@ class DeploymentSettings(Strict):
             runtime_env = dict(actor.get("runtime_env") or {})
             runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
             actor["runtime_env"] = runtime_env
-        opts: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
+        opts: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": actor,
+            "graceful_shutdown_wait_loop_s": self.graceful_shutdown_wait_loop_s,
+        }
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(self.autoscaling_config)
         else:

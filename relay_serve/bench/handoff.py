@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -122,7 +121,7 @@ def _block_16(model: str) -> str:
         engine = OfflineEngine(m.model_path, {**m.engine_args, "block_size": 16})
     except Exception as e:  # noqa: BLE001 - the refusal is the finding
         return f"refused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    del engine
+    engine.shutdown()
     return "accepted"
 
 

@@ -14,7 +14,6 @@ error.
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -186,6 +186,17 @@ class OfflineEngine:
 
         self.llm = LLM(model=model, **{"enable_prefix_caching": True, **(engine_args or {})})
 
+    def shutdown(self) -> None:
+        """Stop the engine-core process now (else vLLM does it at interpreter exit, logging to
+        streams that may be closed by then)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: list[list[int]],

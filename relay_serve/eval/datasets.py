@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import random
 from pathlib import Path
 
 from pydantic import BaseModel

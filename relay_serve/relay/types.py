@@ -99,6 +99,9 @@ class Backend(ABC):
         """Counts for ``/v1/relay/stats`` (sessions pinned to replicas, leases, connections)."""
         return {}
 
+    def close(self) -> None:  # noqa: B027 - optional
+        """The router is stopping: give back whatever is held (leases, connections)."""
+
 
 class TextCodec(Protocol):
     """The tokenizer both models share (the relay hands token ids over)."""

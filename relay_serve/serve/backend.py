@@ -78,6 +78,9 @@ class ServeBackend(Backend):
     def stats(self) -> dict[str, int]:
         return self.transport.stats()
 
+    def close(self) -> None:
+        self.transport.close()
+
     def _small_timed_out(self, timeout_s: float) -> str:
         """Why a small-model segment missed its deadline; takes the deployment out for a while
         when none of its segments got a token during that time."""

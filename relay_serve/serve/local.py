@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import socket
 import time
 from typing import Any
@@ -56,6 +58,9 @@ def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
     else:
         envs.run_local_ray_workers_at_normal_priority()
+        # Serve's direct ingress holds a stopping ingress replica open 30 s for external load
+        # balancers to deregister it; a local Ray has none (in-flight requests are still awaited).
+        runtime_env["env_vars"].setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
         ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
 
 
@@ -72,9 +77,24 @@ def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: i
     return f"http://{shown}:{port}{cfg.route_prefix.rstrip('/')}"
 
 
+def warm_up(base: str) -> None:
+    """One relay request through the HTTP API before the service says it is ready: it takes the
+    routes, the router's handles, a lease and a channel to each model and the engines' first
+    steps, so the first user's request does not."""
+    import httpx
+
+    from relay_serve.client import api_headers, chat_body
+
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body("relay", "Start at b3. Follow the map two times.", max_tokens=64),
+                   headers=api_headers(), timeout=600)  # fmt: skip
+    if r.status_code != 200:
+        raise RuntimeError(f"the warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
+
+
 def serve_forever(cfg: AppConfig, host: str, port: int) -> None:
     t0 = time.time()
     url = start(cfg, host, port)
+    warm_up(url)
     print(f"relay-serve is ready at {url}/v1 (started in {time.time() - t0:.1f} s); Ctrl-C stops it", flush=True)
 
     def _terminate(signum: int, frame: Any) -> None:
@@ -89,5 +109,12 @@ def serve_forever(cfg: AppConfig, host: str, port: int) -> None:
         from ray import serve
 
         print("stopping relay-serve", flush=True)
-        serve.shutdown()
+        t0 = time.time()
+        serve.delete(cfg.name)  # the app stops gracefully: its in-flight requests end first
+        t1 = time.time()
         ray.shutdown()
+        print(f"stopped in {time.time() - t0:.1f} s (Serve {t1 - t0:.1f} s, Ray {time.time() - t1:.1f} s)", flush=True)
+        sys.stderr.flush()
+        # Everything is stopped and written; the interpreter's own teardown of the libraries loaded
+        # here (Ray's client, vLLM's and torch's modules) took 2-3 s more, so the process ends now.
+        os._exit(0)

@@ -83,6 +83,13 @@ class RelayRouter:
     def __serve_build_asgi_app__(self):  # noqa: N802 - Ray Serve's hook name
         return self.api
 
+    def __del__(self) -> None:
+        """Ray Serve calls it when the replica stops: the leases go back, so the model replicas
+        are not held waiting for this router's generations until their shutdown timeout."""
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()
+
     def pair_fingerprint(self) -> str:
         from relay_serve.cues import pair_fingerprint
 

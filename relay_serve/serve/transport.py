@@ -51,6 +51,9 @@ class HandleTransport:
 
             release_session(session_id)
 
+    def close(self) -> None:
+        pass
+
     def stats(self) -> dict[str, int]:
         from relay_serve.serve.affinity import affinity_map_size
 
@@ -241,6 +244,19 @@ class DirectTransport:
             channel = self.pool.existing(lease.info.result().address)
             if channel is not None:
                 channel.end_session(session_id)
+
+    def close(self) -> None:
+        """Give every lease back (held or idle: their replicas then have no ongoing request of this
+        router, and stop at once when Serve stops them) and close the connections."""
+        for held in self.leases.values():
+            for lease in held.values():
+                lease.release()
+        for idle in self.idle.values():
+            for lease in idle:
+                lease.release()
+        self.leases.clear()
+        self.idle = {"large": [], "small": []}
+        self.pool.close()
 
     def stats(self) -> dict[str, int]:
         return {

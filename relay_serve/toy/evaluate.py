@@ -69,10 +69,10 @@ def _prompts(world: ToyWorld, n: int, seed: int, models_dir: Path | None):
 def evaluate_model(name: str, n: int = 100, seed: int = 0, models_dir: Path | None = None, progress: bool = True) -> ToyEvalResult:
     world = ToyWorld()
     codec, problems, prompts = _prompts(world, n, seed, models_dir)
-    engine = _engine(name, models_dir)
-    t0 = time.time()
-    outs = engine.generate(prompts, max_tokens=256, progress=progress)
-    seconds = time.time() - t0
+    with _engine(name, models_dir) as engine:
+        t0 = time.time()
+        outs = engine.generate(prompts, max_tokens=256, progress=progress)
+        seconds = time.time() - t0
     graded = [grade(codec.decode(o), world.answer(p)) for o, p in zip(outs, problems)]
     return ToyEvalResult(
         model=name,
@@ -92,11 +92,10 @@ def cue_margins(n: int = 200, seed: int = 0, models_dir: Path | None = None, tem
 
     world = ToyWorld()
     codec, _, prompts = _prompts(world, n, seed, models_dir)
-    large = _engine("large", models_dir)
-    traces = large.generate(prompts, max_tokens=256, temperature=temperature, seed=seed)
-    del large
-    small = _engine("small", models_dir)
-    rows = small.score([p + t for p, t in zip(prompts, traces)], [len(p) for p in prompts])
+    with _engine("large", models_dir) as large:
+        traces = large.generate(prompts, max_tokens=256, temperature=temperature, seed=seed)
+    with _engine("small", models_dir) as small:
+        rows = small.score([p + t for p, t in zip(prompts, traces)], [len(p) for p in prompts])
     by_cue: dict[str, list[float]] = {}
     all_tokens: list[float] = []
     for trace, lps in zip(traces, rows):

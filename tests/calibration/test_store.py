@@ -136,6 +136,6 @@ def test_s3_store_on_a_real_endpoint(s3_endpoint, monkeypatch):
 
 
 def test_unreachable_store_is_a_store_error():
-    store = CueStore(f"s3://cues/x", {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+    store = CueStore("s3://cues/x", {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
     with pytest.raises(StoreError):
         store.latest_version()

@@ -81,9 +81,8 @@ def test_greedy_outputs_are_identical_in_vllm_on_200_heldout_problems(wide_dir):
     prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}])) for p in ToyWorld().sample_heldout(200, seed=11)]
     outputs = []
     for path in (wide.SOURCE_DIR, wide_dir):
-        engine = OfflineEngine(str(path), TOY_ENGINE_ARGS)
-        outputs.append(engine.generate(prompts, max_tokens=256))
-        del engine
+        with OfflineEngine(str(path), TOY_ENGINE_ARGS) as engine:
+            outputs.append(engine.generate(prompts, max_tokens=256))
         gc.collect()
     differing = [i for i, (a, b) in enumerate(zip(*outputs)) if a != b]
     assert not differing, f"{len(differing)} of 200 greedy outputs differ, e.g. problem {differing[:5]}"
