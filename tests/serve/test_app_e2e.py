@@ -126,3 +126,36 @@ def test_running_router_picks_up_a_newly_published_cue_set(client, relay_app):
     health = httpx.get(relay_app + "/health").json()
     assert health["status"] == "degraded" and "another model pair" in health["cue_set"]["last_error"]
     assert _chat(client, "relay").usage.model_extra["relay"]["cue_set_version"] == version
+
+
+def _replicas_idle() -> bool:
+    from ray import serve
+
+    infos = [serve.get_deployment_handle(m, app_name="relay").info.remote().result() for m in ("large", "small")]
+    return all(i["requests_in_flight"] == 0 and i["sessions"] == 0 for i in infos)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_cancels_its_engine_requests(relay_app, stream):
+    """A generation of 900 tokens (about 2 s here) whose client goes away after its first chunk
+    (streamed) or 0.3 s (not): nothing is left running on the replicas soon after."""
+    import time
+
+    import httpx
+
+    body = {"model": "large", "prompt": "<think>\n", "max_tokens": 900, "temperature": 1.0, "seed": 1}
+    t0 = time.perf_counter()
+    whole = httpx.post(relay_app + "/v1/completions", json=body, timeout=120).json()
+    full_s = time.perf_counter() - t0
+    assert whole["choices"][0]["finish_reason"] == "length" and full_s > 1.0  # long enough to cut short
+    if stream:
+        with httpx.stream("POST", relay_app + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            next(r.iter_lines())
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(relay_app + "/v1/completions", json=body, timeout=0.3)
+    gone = time.perf_counter()
+    while not _replicas_idle():
+        assert time.perf_counter() - gone < full_s / 2, "the engine request ran on after its client went away"
+        time.sleep(0.05)
+    assert httpx.get(relay_app + "/v1/relay/stats", timeout=10).json()["in_flight"] == 0
