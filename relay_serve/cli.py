@@ -320,7 +320,7 @@ def batch_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON line"),
 ) -> None:
     """Batch inference on Ray Data through the router's deployment handle, resumable."""
-    from relay_serve.batch import BatchSettings, run_batch
+    from relay_serve.jobs.batch import BatchSettings, run_batch
 
     cfg = _load_config(config)
 
@@ -403,7 +403,7 @@ def config_cmd(
     ),
 ) -> None:
     """Print the effective configuration."""
-    from relay_serve.serve.local import serve_config_yaml
+    from relay_serve.deploy.serve_config import serve_config_yaml
 
     cfg = _load_config(config)
     if into is not None and fmt is not ConfigFormat.k8s:
@@ -413,7 +413,7 @@ def config_cmd(
     elif fmt is ConfigFormat.serve:
         typer.echo(serve_config_yaml(cfg, host, port), nl=False)
     else:
-        from relay_serve.k8s import render_into, serve_config_v2
+        from relay_serve.deploy.k8s import render_into, serve_config_v2
 
         rendered = serve_config_v2(cfg)
         if into is None:

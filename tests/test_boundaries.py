@@ -18,6 +18,9 @@ RULES = {
     "relay_serve/engine/stops.py": ("vllm",),
     "relay_serve/engine/base.py": ("vllm",),
     "relay_serve/serve/router.py": ("vllm", "relay_serve.engine", "torch"),
+    "relay_serve/serve/http.py": ("vllm", "ray", "relay_serve.engine", "relay_serve.relay"),
+    "relay_serve/serve/generations.py": ("vllm", "ray", "fastapi", "starlette", "relay_serve.engine"),
+    "relay_serve/serve/streaming.py": ("vllm", "ray", "fastapi", "starlette", "relay_serve.engine"),
     "relay_serve/serve/openai_api.py": ("vllm", "ray", "relay_serve.engine"),
     "relay_serve/serve/backend.py": ("vllm", "relay_serve.engine"),
     "relay_serve/serve/transport.py": ("vllm", "relay_serve.engine"),
@@ -30,7 +33,7 @@ RULES = {
     "calibration_jobs/*.py": ("relay_serve.serve.router", "fastapi"),
     "relay_serve/config.py": ("ray",),
     "relay_serve/envs.py": ("ray",),
-    "relay_serve/k8s.py": ("ray",),
+    "relay_serve/deploy/*.py": ("ray", "vllm", "relay_serve.serve"),
     "relay_serve/toy/*.py": ("relay_serve.serve",),
     "relay_serve/bench/render.py": ("ray", "httpx"),
 }

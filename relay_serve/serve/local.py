@@ -10,32 +10,11 @@ import socket
 import time
 from typing import Any
 
-import yaml
 
 from relay_serve import envs
 from relay_serve.config import AppConfig
 
 log = logging.getLogger(__name__)
-
-
-def serve_config(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
-    """A Ray Serve config file (``serve deploy``) for ``cfg``."""
-    return {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": host, "port": port},
-        "applications": [
-            {
-                "name": cfg.name,
-                "route_prefix": cfg.route_prefix,
-                "import_path": "relay_serve.serve.app:app_builder",
-                "args": cfg.model_dump(mode="json"),
-            }
-        ],
-    }
-
-
-def serve_config_yaml(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -> str:
-    return yaml.safe_dump(serve_config(cfg, host, port), sort_keys=False)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from relay_serve.config import AppConfig
-from relay_serve.k8s import embedded_serve_config, render_into, serve_config_v2
+from relay_serve.deploy.k8s import embedded_serve_config, render_into, serve_config_v2
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

@@ -3,7 +3,7 @@ import yaml
 from pydantic import ValidationError
 
 from relay_serve.config import AppConfig, resolve_model
-from relay_serve.serve.local import serve_config, serve_config_yaml
+from relay_serve.deploy.serve_config import serve_config, serve_config_yaml
 
 
 def test_the_embedded_default_is_the_toy_pair():

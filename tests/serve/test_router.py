@@ -104,7 +104,7 @@ def test_completions_take_text_or_token_ids():
     r = call(router, "POST", "/v1/completions", {"model": "large", "prompt": "Start at b3.", "max_tokens": 5})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    ids = router.codec.encode("Start at b3.")
+    ids = router.generations.codec.encode("Start at b3.")
     r2 = call(router, "POST", "/v1/completions", {"model": "large", "prompt": ids, "max_tokens": 5})
     assert r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
 

@@ -8,7 +8,7 @@ import re
 import yaml
 
 from relay_serve.config import AppConfig
-from relay_serve.serve.local import serve_config
+from relay_serve.deploy.serve_config import serve_config
 
 SERVE_CONFIG_KEY = "serveConfigV2"
 

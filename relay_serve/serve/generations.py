@@ -1,0 +1,192 @@
+"""From an OpenAI request to a generation: the prompt's token ids, the checks against the
+router's limits and the context, the session and the policy with the cue set it starts with,
+running it under the request's time limit, and the response. No HTTP, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from relay_serve.config import AppConfig
+from relay_serve.relay.policy import POLICY_NAMES, make_policy
+from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
+from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings
+from relay_serve.serve.cue_provider import CueProvider
+from relay_serve.serve.openai_api import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ClientError,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ServerError,
+    Usage,
+    new_id,
+    now,
+)
+from relay_serve.tokenizer import Codec
+
+log = logging.getLogger(__name__)
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass
+class Generation:
+    """One request's generation, ready to run."""
+
+    request: AnyRequest
+    session: Session
+    policy: Policy
+    chat: bool
+
+
+class Generations:
+    """Turns requests into generations and runs them over ``backend``; counts those in flight."""
+
+    def __init__(self, cfg: AppConfig, codec: Codec, backend: Backend, cues: CueProvider) -> None:
+        self.cfg = cfg
+        self.codec = codec
+        self.backend = backend
+        self.cues = cues
+        self.max_model_len = cfg.max_model_len or 4096
+        self.in_flight = 0
+
+    # ---- request -> generation -----------------------------------------------------------------
+
+    async def prepare(self, req: AnyRequest) -> Generation:
+        """The generation ``req`` asks for; a ClientError naming the field when it cannot be."""
+        chat = isinstance(req, ChatCompletionRequest)
+        name = self.policy_name(req.model)
+        prompt_ids = self._prompt_ids(req)
+        max_tokens = self._max_tokens(req, prompt_ids)
+        await self.cues.maybe_refresh()
+        cue_set = self.cues.active()  # the set this request starts with is the set it ends with
+        session = Session(
+            backend=self.backend,
+            codec=self.codec,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=self._sampling(req),
+            session_id=new_id("gen"),
+            user_stops=req.stop_list(),
+            cue_set_version=cue_set.version,
+            retries=self.cfg.router.segment_retries,
+            retry_backoff_s=self.cfg.router.retry_backoff_s,
+            small_timeout_s=self.cfg.router.small_timeout_s,
+        )
+        return Generation(req, session, make_policy(name, self.cfg.policy, cue_set.cues), chat)
+
+    def policy_name(self, model: str) -> str:
+        prefix = self.cfg.router.model_name_prefix
+        name = model[len(prefix) :] if prefix and model.startswith(prefix) else model
+        if name not in POLICY_NAMES:
+            known = ", ".join(prefix + m for m in POLICY_NAMES)
+            raise ClientError(f"unknown model {model!r}; this service serves {known}", param="model", code="model_not_found")
+        return name
+
+    def _prompt_ids(self, req: AnyRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+            return self.codec.encode(self.codec.render_chat(messages))
+        if isinstance(req.prompt, list):
+            vocab = len(self.codec.tokenizer)
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise ClientError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            return list(req.prompt)
+        return self.codec.encode(req.prompt)
+
+    def _max_tokens(self, req: AnyRequest, prompt_ids: list[int]) -> int:
+        """The request's token budget, checked with its stop strings against the limits."""
+        stops, r = req.stop_list(), self.cfg.router
+        if len(stops) > r.max_stop_strings:
+            raise ClientError(f"at most {r.max_stop_strings} stop strings are allowed", param="stop")
+        if any(len(s) > r.max_stop_length for s in stops):
+            raise ClientError(f"stop strings may be at most {r.max_stop_length} characters", param="stop")
+        if any(s == "" for s in stops):
+            raise ClientError("stop strings must not be empty", param="stop")
+        room = self.max_model_len - len(prompt_ids)
+        if room <= 0:
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise ClientError(
+                f"the prompt is {len(prompt_ids)} tokens; this model's context is {self.max_model_len}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        max_tokens, param = req.requested_max_tokens()
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise ClientError(f"{param} must be at least 1", param=param)
+        if max_tokens > room:
+            raise ClientError(
+                f"{param}={max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens of a "
+                f"{self.max_model_len}-token context, leaving {room}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def _sampling(self, req: AnyRequest) -> SamplingSettings:
+        d = self.cfg.sampling
+        return SamplingSettings(
+            temperature=d.temperature if req.temperature is None else req.temperature,
+            top_p=d.top_p if req.top_p is None else req.top_p,
+            top_k=d.top_k if req.top_k is None else req.top_k,
+            seed=req.seed,
+        )
+
+    # ---- running -------------------------------------------------------------------------------
+
+    async def run(self, g: Generation) -> dict[str, Any]:
+        """The whole generation as a response body; a ServerError when it fails or takes longer
+        than ``router.request_timeout_s``."""
+        self.in_flight += 1
+        try:
+            result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise ServerError(self.timeout_message(), status=504) from e
+        except Exception as e:  # noqa: BLE001 - typed for the client by failure()
+            raise failure(e, g.session.session_id) from e
+        finally:
+            self.in_flight -= 1
+            self.backend.release(g.session.session_id)
+        return response(g, result)
+
+    def timeout_message(self) -> str:
+        return f"the generation took longer than {self.cfg.router.request_timeout_s} s"
+
+
+def usage(session: Session, result: GenerationResult) -> Usage:
+    n_prompt, n_out = len(session.prompt_ids), len(result.token_ids)
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out, relay=result.usage)
+
+
+def response(g: Generation, result: GenerationResult) -> dict[str, Any]:
+    """The OpenAI response body of a finished generation (with the trace when asked for)."""
+    req = g.request
+    common = dict(id=new_id("chatcmpl" if g.chat else "cmpl"), created=now(), model=req.model, usage=usage(g.session, result))
+    trace = result.trace if req.relay_trace else None
+    if g.chat:
+        choice = ChatChoice(message={"role": "assistant", "content": result.text}, finish_reason=result.finish_reason)
+        resp = ChatCompletionResponse(choices=[choice], relay_trace=trace, **common)
+    else:
+        resp = CompletionResponse(choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)], relay_trace=trace, **common)
+    body = resp.model_dump(exclude_none=True)
+    if req.relay_trace:
+        body["relay_engine_requests"] = [r.model_dump() for r in result.engine_requests]
+    return body
+
+
+def failure(e: Exception, session_id: str) -> ServerError:
+    """What a client is told when a generation fails (HTTP status and body; in a stream, the body)."""
+    if isinstance(e, SmallModelUnavailable):
+        return ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable")
+    if isinstance(e, EngineError):
+        log.warning("generation %s failed: %s", session_id, e)
+        return ServerError(f"an engine failed: {e}", status=502, code="engine_error")
+    log.error("generation %s failed", session_id, exc_info=e)
+    return ServerError(f"the generation failed: {type(e).__name__}: {e}", status=502, code="engine_error")
