@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relay_serve.relay.policy import PolicySettings, RelayGen, SingleModel, SpeculativeThinking
 from relay_serve.relay.session import EngineError, Session
@@ -386,3 +388,36 @@ def test_a_refused_small_deployment_leaves_every_handoff_to_the_large_model():
     assert r.usage.degraded_reason == "the small deployment is past its queue bound"
     assert not any(req.model == "small" for req in backend.requests)
     check_invariants(r)
+
+
+# Any text, any spacing: what a client is streamed is the final text. The pieces include the white
+# space where the sentence rule and stop strings could disagree (tab, carriage return, no-break
+# space), cues and cue look-alikes, and tokens that hold a sentence end in their middle.
+_PIECES = ["Thus,", " Thus,", "Therefore,", " so", " also", " b3", " x", "Wait,", ".", "!", "?", ",", " ",
+           "\n", "\n\n", "\t", "\r", "\xa0", "3", ".5", "</think>"]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    large=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=40).map("".join),
+    small=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=20).map("".join),
+)
+def test_streamed_deltas_add_up_to_the_final_text_for_any_text(large, small):
+    # Each model writes its text whatever the context, so relay interleaves them however cues and
+    # sentence ends fall; a small model that ends no sentence hands back at its token budget.
+    scripts = {"large": lambda written: "<think>\n" + large if not written else large, "small": lambda written: small}
+    s, _ = make_session(scripts, max_tokens=120)
+    settings_ = PolicySettings(max_small_segment_tokens=8)
+
+    async def collect():
+        parts, result = [], None
+        async for ev in s.stream(RelayGen(settings_, CUES + ["Wait,"])):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            else:
+                result = ev
+        return "".join(parts), result
+
+    text, result = asyncio.run(collect())
+    assert text == result.text
+    check_invariants(result)
