@@ -232,3 +232,15 @@ def test_a_pair_with_different_tokenizers_is_refused(tmp_path):
     }
     with pytest.raises(TokenizerMismatch, match="shares one tokenizer"):
         RelayRouter(cfg, backend=FakeBackend(None, {}))
+
+
+def test_no_request_field_multiplies_engine_work():
+    """One HTTP request is one generation: a body asking for thousands of engine requests (the
+    removed ``relay_replay``) runs exactly the engine requests a plain one does."""
+    router, plain_backend = make_router()
+    plain = call(router, "POST", "/v1/chat/completions", chat())
+    router, backend = make_router()
+    schedule = [{"model": "large", "tokens": 1}] * 10_000
+    r = call(router, "POST", "/v1/chat/completions", chat(relay_replay=schedule))
+    assert r.status_code == plain.status_code == 200
+    assert len(backend.requests) == len(plain_backend.requests) == r.json()["usage"]["relay"]["engine_requests"]
