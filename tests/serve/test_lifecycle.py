@@ -48,6 +48,7 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "stopped in" in out, out + err[-3000:]
-    assert stop_s < 12, f"stopping took {stop_s:.1f} s"  # 8.6 s here (33 s before)
+    print(f"first request {times[0]:.2f} s, the next ones {', '.join(f'{t:.2f}' for t in times[1:])} s; stopped in {stop_s:.1f} s")
+    assert stop_s < 12, f"stopping took {stop_s:.1f} s"  # 6.6-8.6 s here (33 s before)
     for bad in ("Traceback", "Logging error", "failed to shut down", "did not drain"):
         assert bad not in err, err[err.index(bad) - 2000 : err.index(bad) + 500]
