@@ -169,6 +169,7 @@ def eval_cmd(
     url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
     records: Optional[Path] = typer.Option(None, "--records", help="per-problem JSONL (default under the state dir)"),
     answer_agreement: bool = typer.Option(False, "--answer-agreement", help="keep the large model's reasoning; compare the answers each model writes after it"),
+    cue: Optional[list[str]] = typer.Option(None, "--cue", help="relay: hand off on this cue instead of the active set (repeat it; for ablations)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """pass@1 of a mode on a dataset, graded with math-verify on the text after </think>."""
@@ -180,9 +181,9 @@ def eval_cmd(
 
     try:
         s = EvalSettings(dataset=dataset, mode=mode.value, n=n, samples=samples, seed=seed, temperature=temperature,
-                         top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency)  # fmt: skip
+                         top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency, cues=cue or None)  # fmt: skip
     except ValidationError as e:
-        raise typer.BadParameter(str(e)) from e
+        raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     kind = "agreement" if answer_agreement else mode.value
     out = records or envs.state_dir() / "eval" / f"{dataset.replace(':', '_').replace('/', '_')}-{kind}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     try:
@@ -196,7 +197,7 @@ def eval_cmd(
     if not as_json:
         typer.echo(table(summary))
         return
-    keys = ("dataset", "mode", "n", "pass_at_1", "small_token_share", "switches_per_request")
+    keys = ("dataset", "mode", "n", "pass_at_1", "small_token_share", "switches_per_request", "cues")
     typer.echo(json.dumps({k: getattr(summary, k) for k in keys}))
 
 
@@ -328,7 +329,7 @@ def batch_cmd(
         s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency,
                           format=fmt.value, max_tokens=max_tokens, temperature=temperature)  # fmt: skip
     except ValidationError as e:
-        raise typer.BadParameter(str(e)) from e
+        raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     try:
         summary = run_batch(s, progress=not as_json, cfg=cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -437,3 +438,8 @@ def _load_config(path: Optional[Path]):
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+def _validation_messages(e: ValidationError) -> list[str]:
+    """A settings error as the user's words: the field and what is wrong with it, no pydantic dump."""
+    return [(f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ") for err in e.errors()]

@@ -174,6 +174,8 @@ class RouterSettings(Strict):
     max_request_bytes: int = Field(1_000_000, ge=1024)
     max_stop_strings: int = Field(16, ge=0)
     max_stop_length: int = Field(64, ge=1)
+    max_request_cues: int = Field(16, ge=0, description="at most this many cues in a request's relay_cues")
+    max_cue_length: int = Field(32, ge=1, description="characters of a cue in a request's relay_cues")
     request_timeout_s: float = Field(600.0, gt=0.0, description="a generation that takes longer fails with 504")
     model_name_prefix: str = Field("", description="prefix of the model ids in /v1/models (e.g. 'qwen3-')")
     segment_retries: int = Field(

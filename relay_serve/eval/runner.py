@@ -9,11 +9,12 @@ import contextlib
 import json
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 
 from relay_serve.config import PaperSampling
 from relay_serve.eval.datasets import Problem, load_problems
@@ -29,6 +30,13 @@ class EvalSettings(PaperSampling):
     seed: int = 0
     max_tokens: int = 512
     concurrency: int = 16
+    cues: list[str] | None = Field(None, description="relay only: these cues instead of the service's active set (ablations)")
+
+    @model_validator(mode="after")
+    def _cues_for_relay(self) -> EvalSettings:
+        if self.cues is not None and self.mode != "relay":
+            raise ValueError("cues apply to the relay mode only")
+        return self
 
 
 class EvalSummary(BaseModel):
@@ -41,6 +49,7 @@ class EvalSummary(BaseModel):
     switches_per_request: float
     mean_latency_s: float
     errors: int = 0
+    cues: list[str] | None = Field(None, description="relay: the cues its requests handed off on (the most common set)")
     records: str
 
 
@@ -74,7 +83,8 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
     bar = tqdm(total=len(jobs), desc=f"eval {s.mode}", disable=not progress)
 
     async def one(client, p: Problem, k: int) -> dict:
-        body = chat_body(s.mode, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed * 1000 + k)
+        body = chat_body(s.mode, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                         seed=s.seed * 1000 + k, relay_cues=s.cues)  # fmt: skip
         async with sem:
             t0 = time.perf_counter()
             try:
@@ -100,6 +110,7 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
             "small_tokens": relay["small_tokens"],
             "switches": relay["switches"],
             "cue_set_version": relay["cue_set_version"],
+            "cues": relay.get("cues", []),
             "finish_reason": resp["choices"][0]["finish_reason"],
             "text": text,
         })
@@ -135,8 +146,14 @@ def summarize(s: EvalSettings, records: list[dict], path: str) -> EvalSummary:
         switches_per_request=round(statistics.fmean(r["switches"] for r in ok), 3) if ok else 0.0,
         mean_latency_s=round(statistics.fmean(r["latency_s"] for r in ok), 4) if ok else 0.0,
         errors=len(records) - len(ok),
+        cues=_most_common_cues(ok) if s.mode == "relay" else None,
         records=path,
     )
+
+
+def _most_common_cues(records: list[dict]) -> list[str] | None:
+    sets = Counter(tuple(r.get("cues", ())) for r in records)
+    return list(sets.most_common(1)[0][0]) if sets else None
 
 
 def run_eval(s: EvalSettings, url: str | None, out: Path, progress: bool = True) -> EvalSummary:
@@ -154,6 +171,8 @@ def table(summary: EvalSummary) -> str:
         ("switches / request", f"{summary.switches_per_request:.3f}"), ("mean latency", f"{summary.mean_latency_s:.3f} s"),
         ("failed requests", summary.errors), ("records", summary.records),
     ]  # fmt: skip
+    if summary.cues is not None:
+        rows.insert(2, ("cues", ", ".join(summary.cues) or "(none)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -65,6 +65,7 @@ class RelayGen:
         self.small_stops = list(SENTENCE_STOPS) + [settings.think_close]
 
     async def run(self, s: Session) -> None:
+        s.usage.cues = list(self.cues)
         while not s.done and not self._closed(s):
             cue = await self.large_turn(s)
             if cue is None:

@@ -147,7 +147,8 @@ class RelayUsage(BaseModel):
     engine_requests: int = 0
     cached_prompt_tokens: int = 0
     discarded_tokens: int = Field(default=0, description="generated but not in the output (rejected drafts)")
-    cue_set_version: str | None = None
+    cue_set_version: str | None = Field(default=None, description="the active cue set's version, or 'request' for relay_cues")
+    cues: list[str] = Field(default_factory=list, description="the cues this relay generation handed off on")
     degraded: bool = Field(default=False, description="small-model segments were written by the large model")
     degraded_reason: str | None = Field(default=None, description="why (the first reason, if several)")
     kept_on_large: int = Field(

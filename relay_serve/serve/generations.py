@@ -64,7 +64,7 @@ class Generations:
         prompt_ids = self._prompt_ids(req)
         max_tokens = self._max_tokens(req, prompt_ids)
         await self.cues.maybe_refresh()
-        cue_set = self.cues.active()  # the set this request starts with is the set it ends with
+        cues, cue_version = self._cues(req, name)
         session = Session(
             backend=self.backend,
             codec=self.codec,
@@ -73,12 +73,34 @@ class Generations:
             sampling=self._sampling(req),
             session_id=new_id("gen"),
             user_stops=req.stop_list(),
-            cue_set_version=cue_set.version,
+            cue_set_version=cue_version,
             retries=self.cfg.router.segment_retries,
             retry_backoff_s=self.cfg.router.retry_backoff_s,
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
-        return Generation(req, session, make_policy(name, self.cfg.policy, cue_set.cues), chat)
+        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat)
+
+    def _cues(self, req: AnyRequest, policy: str) -> tuple[list[str], str | None]:
+        """The cues of this generation and their version: the request's own ``relay_cues``
+        (version ``request``; never written to the shared set) or the active set, which the
+        generation keeps to its end."""
+        if req.relay_cues is None:
+            cue_set = self.cues.active()
+            return list(cue_set.cues), cue_set.version
+        r = self.cfg.router
+        if policy != "relay":
+            raise ClientError("relay_cues applies to the relay model only", param="relay_cues")
+        if len(req.relay_cues) > r.max_request_cues:
+            raise ClientError(f"at most {r.max_request_cues} cues are allowed", param="relay_cues")
+        for cue in req.relay_cues:
+            if not cue.strip() or len(cue) > r.max_cue_length or any(c in cue for c in "\n\r\t"):
+                raise ClientError(
+                    f"each cue must be 1-{r.max_cue_length} characters on one line, not only white space: {cue[:40]!r}",
+                    param="relay_cues",
+                )
+            if self.cfg.policy.think_close in cue:
+                raise ClientError(f"a cue must not contain {self.cfg.policy.think_close!r}", param="relay_cues")
+        return list(dict.fromkeys(req.relay_cues)), "request"
 
     def policy_name(self, model: str) -> str:
         prefix = self.cfg.router.model_name_prefix

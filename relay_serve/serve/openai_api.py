@@ -91,6 +91,9 @@ class _SamplingRequest(_Lenient):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     relay_trace: StrictBool = False
+    relay_cues: list[str] | None = Field(
+        None, description="relay only: the cues of this request instead of the active cue set (never written to it)"
+    )
     user: str | None = None
 
     @field_validator("temperature", "top_p", mode="before")

@@ -37,3 +37,18 @@ def test_failed_requests_count_as_wrong(relay_app, tmp_path):
     out = run_eval(EvalSettings(dataset=f"jsonl:{path}", mode="large", n=1), relay_app, tmp_path / "r.jsonl", progress=False)
     assert out.errors == 1 and out.pass_at_1 == 0.0
     assert "HTTP 400" in json.loads((tmp_path / "r.jsonl").read_text())["error"]
+
+
+def test_eval_with_the_requests_own_cues(relay_app, tmp_path):
+    hard = ["First,", "Next,", "Now,"]
+    out = run_eval(EvalSettings(mode="relay", n=6, max_tokens=200, cues=hard), relay_app, tmp_path / "hard.jsonl", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "hard.jsonl").read_text().splitlines()]
+    assert out.errors == 0 and out.cues == hard and out.switches_per_request > 0
+    assert all(r["cues"] == hard and r["cue_set_version"] == "request" for r in records)
+    shared = run_eval(EvalSettings(mode="relay", n=2, max_tokens=200), relay_app, tmp_path / "shared.jsonl", progress=False)
+    assert shared.cues != hard  # the request's cues never reached the shared set
+
+
+def test_cues_are_for_relay_only():
+    with pytest.raises(ValueError, match="relay mode only"):
+        EvalSettings(mode="large", cues=["Thus,"])

@@ -244,3 +244,40 @@ def test_no_request_field_multiplies_engine_work():
     r = call(router, "POST", "/v1/chat/completions", chat(relay_replay=schedule))
     assert r.status_code == plain.status_code == 200
     assert len(backend.requests) == len(plain_backend.requests) == r.json()["usage"]["relay"]["engine_requests"]
+
+
+def test_a_request_can_bring_its_own_cues_and_the_shared_set_stays():
+    router, backend = make_router()
+    own = call(router, "POST", "/v1/chat/completions", chat(relay_cues=["Therefore,"]))
+    assert own.status_code == 200, own.text
+    relay = own.json()["usage"]["relay"]
+    assert relay["cues"] == ["Therefore,"] and relay["cue_set_version"] == "request"
+    assert "Thus," not in backend.requests[0].stop and "Therefore," in backend.requests[0].stop
+    shared = call(router, "POST", "/v1/chat/completions", chat()).json()["usage"]["relay"]
+    assert shared["cue_set_version"] == "default" and shared["cues"] == router.cues.active().cues
+    assert call(router, "GET", "/v1/relay/cues").json()["version"] == "default"
+
+
+@pytest.mark.parametrize(
+    "cues, why",
+    [
+        (["Thus,"] * 17, "at most 16"),
+        (["x" * 33], "1-32 characters"),
+        ([" "], "not only white space"),
+        (["Thus,\nSo"], "on one line"),
+        (["</think>"], "must not contain"),
+        ("Thus,", "valid list"),
+    ],
+)
+def test_bad_request_cues_are_a_400_naming_the_field(cues, why):
+    router, backend = make_router()
+    r = call(router, "POST", "/v1/chat/completions", chat(relay_cues=cues))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "relay_cues" and why in r.json()["error"]["message"]
+    assert backend.requests == []
+
+
+def test_request_cues_apply_to_relay_only():
+    router, _ = make_router()
+    r = call(router, "POST", "/v1/chat/completions", chat("large", relay_cues=["Thus,"]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"
