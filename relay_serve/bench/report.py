@@ -308,7 +308,7 @@ class BenchReport(BaseModel):
                     "relay_p50_s": p50(lv, "relay"),
                     "large_p50_s": p50(lv, "large"),
                     "vllm_large_p50_s": p50(lv, "vllm-large"),
-                    "router_overhead_per_switch_ms_p50": lv.modes["relay"].router_overhead_per_switch_ms_p50.median if "relay" in lv.modes else None,
+                    "router_overhead_per_switch_ms": lv.modes["relay"].router_overhead_per_switch_ms_p50.median if "relay" in lv.modes else None,
                 }
                 for lv in self.levels
             ],

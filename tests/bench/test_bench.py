@@ -127,7 +127,7 @@ def test_report_files_and_summary_line(tmp_path):
     (level,) = summary["levels"]
     assert set(level) == {
         "concurrency", "speedup", "ideal", "achieved_over_ideal", "measurement_error", "relay_pass_at_1", "large_pass_at_1",
-        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms_p50",
+        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms",
     }  # fmt: skip
     assert level["vllm_large_p50_s"] == 0.55 and summary["pair"]["large"] == "toy:large-wide"
     assert BenchReport.model_validate_json(report.model_dump_json()) == report  # bench.json reads back as the typed report
