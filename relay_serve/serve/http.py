@@ -78,7 +78,7 @@ async def read_request(request: Request, model_cls: type[RequestModel], limit: i
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ClientError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
-    body = b""
+    body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
