@@ -5,7 +5,9 @@ running it under the request's time limit, and the response. No HTTP, no Ray."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,19 +165,26 @@ class Generations:
 
     # ---- running -------------------------------------------------------------------------------
 
-    async def run(self, g: Generation) -> dict[str, Any]:
-        """The whole generation as a response body; a ServerError when it fails or takes longer
-        than ``router.request_timeout_s``."""
+    @contextlib.contextmanager
+    def running(self, g: Generation) -> Iterator[None]:
+        """While ``g`` runs: counted in flight; after it, its leases go back to the backend."""
         self.in_flight += 1
         try:
-            result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
-        except asyncio.TimeoutError as e:
-            raise ServerError(self.timeout_message(), status=504) from e
-        except Exception as e:  # noqa: BLE001 - typed for the client by failure()
-            raise failure(e, g.session.session_id) from e
+            yield
         finally:
             self.in_flight -= 1
             self.backend.release(g.session.session_id)
+
+    async def run(self, g: Generation) -> dict[str, Any]:
+        """The whole generation as a response body; a ServerError when it fails or takes longer
+        than ``router.request_timeout_s``."""
+        with self.running(g):
+            try:
+                result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
+            except asyncio.TimeoutError as e:
+                raise ServerError(self.timeout_message(), status=504) from e
+            except Exception as e:  # noqa: BLE001 - typed for the client by failure()
+                raise failure(e, g.session.session_id) from e
         return response(g, result)
 
     def timeout_message(self) -> str:

@@ -58,22 +58,20 @@ async def events(generations: Generations, g: Generation) -> AsyncIterator[str]:
     """The response's SSE lines as the generation runs; closing it (the client went away)
     cancels the generation and its engine requests."""
     fmt = EventFormat(g)
-    generations.in_flight += 1
-    stream = g.session.stream(g.policy)
-    try:
-        if (line := fmt.start()) is not None:
-            yield line
-        async with asyncio.timeout(generations.cfg.router.request_timeout_s):
-            async for line in _lines(fmt, stream):
+    with generations.running(g):
+        stream = g.session.stream(g.policy)
+        try:
+            if (line := fmt.start()) is not None:
                 yield line
-    except TimeoutError:
-        yield sse(error_body(generations.timeout_message(), "server_error", code="timeout"))
-    except Exception as e:  # noqa: BLE001 - reported to the client in the stream
-        yield sse(failure(e, g.session.session_id).body())
-    finally:
-        await stream.aclose()
-        generations.in_flight -= 1
-        generations.backend.release(g.session.session_id)
+            async with asyncio.timeout(generations.cfg.router.request_timeout_s):
+                async for line in _lines(fmt, stream):
+                    yield line
+        except TimeoutError:
+            yield sse(error_body(generations.timeout_message(), "server_error", code="timeout"))
+        except Exception as e:  # noqa: BLE001 - reported to the client in the stream
+            yield sse(failure(e, g.session.session_id).body())
+        finally:
+            await stream.aclose()
     yield "data: [DONE]\n\n"
 
 
