@@ -40,6 +40,21 @@ def run(session, policy) -> GenerationResult:
     return asyncio.run(session.run(policy))
 
 
+def stream(session, policy) -> tuple[list[str], GenerationResult]:
+    """The text deltas a streaming client gets, in order, and the generation's result."""
+
+    async def collect():
+        parts, result = [], None
+        async for ev in session.stream(policy):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            else:
+                result = ev
+        return parts, result
+
+    return asyncio.run(collect())
+
+
 def models_of(result: GenerationResult) -> list[tuple[str, str]]:
     return [(seg.model, result.text[seg.start : seg.end]) for seg in result.trace]
 
@@ -272,19 +287,9 @@ async def _empty():
 
 def test_streamed_text_equals_the_result_and_holds_back_user_stops():
     s, _ = make_session({"large": follow(REF), "small": follow(REF)}, stops=["d4."])
-
-    async def collect():
-        parts, result = [], None
-        async for ev in s.stream(RelayGen(PolicySettings(), CUES)):
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-                assert "d4." not in "".join(parts)
-            else:
-                result = ev
-        return "".join(parts), result
-
-    text, result = asyncio.run(collect())
-    assert text == result.text == "<think>\nFirst, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> "
+    parts, result = stream(s, RelayGen(PolicySettings(), CUES))
+    assert all("d4." not in "".join(parts[: i + 1]) for i in range(len(parts)))  # never streamed, even for a moment
+    assert "".join(parts) == result.text == "<think>\nFirst, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> "
 
 
 def test_closing_the_stream_cancels_the_engine_request():
@@ -352,18 +357,8 @@ def test_a_large_model_that_keeps_failing_ends_in_an_engine_error_after_its_retr
 def test_streamed_text_has_no_gap_or_repeat_across_a_retry():
     s, backend = make_session({"large": follow(REF), "small": follow(REF)})
     backend.faults = [("large", 4), ("small", 2)]
-
-    async def collect():
-        parts, result = [], None
-        async for ev in s.stream(RelayGen(PolicySettings(), CUES)):
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-            else:
-                result = ev
-        return "".join(parts), result
-
-    text, result = asyncio.run(collect())
-    assert text == result.text == REF
+    parts, result = stream(s, RelayGen(PolicySettings(), CUES))
+    assert "".join(parts) == result.text == REF
 
 
 def test_a_small_sentence_whose_replica_died_is_finished_by_the_large_model():
@@ -407,17 +402,6 @@ def test_streamed_deltas_add_up_to_the_final_text_for_any_text(large, small):
     # sentence ends fall; a small model that ends no sentence hands back at its token budget.
     scripts = {"large": lambda written: "<think>\n" + large if not written else large, "small": lambda written: small}
     s, _ = make_session(scripts, max_tokens=120)
-    settings_ = PolicySettings(max_small_segment_tokens=8)
-
-    async def collect():
-        parts, result = [], None
-        async for ev in s.stream(RelayGen(settings_, CUES + ["Wait,"])):
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-            else:
-                result = ev
-        return "".join(parts), result
-
-    text, result = asyncio.run(collect())
-    assert text == result.text
+    parts, result = stream(s, RelayGen(PolicySettings(max_small_segment_tokens=8), CUES + ["Wait,"]))
+    assert "".join(parts) == result.text
     check_invariants(result)
