@@ -219,7 +219,6 @@ def _stop(workers: list) -> None:
 
 def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes, progress: bool) -> list[list[int]]:
     """The large model's ``samples_per_prompt`` sampled traces of every prompt, in order."""
-
     writers = _workers(cfg, cfg.app.large, times)
     t0 = time.time()
     batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
@@ -232,7 +231,6 @@ def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes,
 
 def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[int]], times: StageTimes, progress: bool) -> list:
     """The small model's top-2 log-probabilities at every token of every trace, teacher-forced."""
-
     scorers = _workers(cfg, cfg.app.small, times)
     t0 = time.time()
     expanded = [p for p in prompts for _ in range(cfg.samples_per_prompt)]

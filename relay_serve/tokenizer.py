@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from relay_serve.config import AppConfig
 
 
-
 class TokenizerMismatch(RuntimeError):
     pass
 

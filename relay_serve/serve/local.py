@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import socket
+import sys
 import time
 from typing import Any
-
 
 from relay_serve import envs
 from relay_serve.config import AppConfig
