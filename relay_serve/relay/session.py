@@ -23,6 +23,7 @@ from relay_serve.relay.types import (
     EngineChunk,
     EngineRequestRecord,
     FinishReason,
+    Handoff,
     GenerationResult,
     ModelRole,
     RelayUsage,
@@ -107,6 +108,8 @@ class Session:
     usage: RelayUsage = field(init=False)
     finish_reason: FinishReason | None = None
     engine_log: list[EngineRequestRecord] = field(default_factory=list, init=False)
+    handoffs: list[Handoff] = field(default_factory=list, init=False)
+    _last_commit: tuple[ModelRole, float] | None = field(default=None, init=False)  # model and time of the last committed chunk
     _events: asyncio.Queue | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -226,9 +229,12 @@ class Session:
         try:
             async for chunk in chunks:
                 last = chunk
+                if plan.commit and chunk.token_ids and not got:
+                    self._handed_off(plan.model)
                 got += chunk.token_ids
                 tokens += chunk.token_ids
                 if plan.commit and chunk.token_ids:
+                    self._last_commit = (plan.model, time.perf_counter())
                     self.output.append(chunk.token_ids, plan.model)
                     self._emit(plan.model, hold_last_token=True)
                     if self.output.stopped:
@@ -256,8 +262,16 @@ class Session:
         )
         return last
 
+    def _handed_off(self, model: ModelRole) -> None:
+        """``model`` wrote its first token of a segment: a handoff when the last committed token
+        was the other model's."""
+        if self._last_commit is not None and self._last_commit[0] != model:
+            self.handoffs.append(Handoff(to=model, latency_s=time.perf_counter() - self._last_commit[1]))
+
     def commit(self, outcome: SegmentOutcome, cue: str | None = None) -> None:
         """Add a draft's tokens to the output."""
+        if outcome.token_ids:  # a draft was written earlier: no handoff latency to measure here
+            self._last_commit = (outcome.model, time.perf_counter())
         self.output.start_run(outcome.model, cue=cue)
         self.output.append(outcome.token_ids, outcome.model)
         self._emit(outcome.model)
@@ -318,6 +332,7 @@ class Session:
             usage=self.usage,
             trace=trace,
             engine_requests=list(self.engine_log),
+            handoffs=list(self.handoffs),
         )
 
     async def run(self, policy: Policy) -> GenerationResult:

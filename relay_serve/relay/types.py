@@ -162,6 +162,14 @@ class RelayUsage(BaseModel):
     engine_s: float = Field(0.0, description="of which inside engines (as the replicas measured it)")
 
 
+class Handoff(BaseModel):
+    """One switch of model as the router saw it: from the end of the last committed segment of
+    the other model (a cue, a sentence end) to the first token of this model's segment."""
+
+    to: ModelRole
+    latency_s: float
+
+
 class GenerationResult(BaseModel):
     text: str
     token_ids: list[int]
@@ -169,6 +177,7 @@ class GenerationResult(BaseModel):
     usage: RelayUsage
     trace: list[TraceSegment]
     engine_requests: list[EngineRequestRecord] = Field(default_factory=list)
+    handoffs: list[Handoff] = Field(default_factory=list)
 
 
 class TextDelta(BaseModel):

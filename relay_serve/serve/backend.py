@@ -78,6 +78,12 @@ class ServeBackend(Backend):
     def stats(self) -> dict[str, int]:
         return self.transport.stats()
 
+    def lease_counts(self) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+        """Leases held and idle per model (the direct transport); None, None with handles."""
+        if isinstance(self.transport, DirectTransport):
+            return self.transport.leases_held(), self.transport.leases_idle()
+        return None, None
+
     def close(self) -> None:
         self.transport.close()
 

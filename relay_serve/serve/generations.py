@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from relay_serve.relay.policy import POLICY_NAMES, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings
 from relay_serve.serve.cue_provider import CueProvider
+from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
@@ -34,6 +36,7 @@ from relay_serve.tokenizer import Codec
 log = logging.getLogger(__name__)
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
+CLIENT_GONE = 499  # the status a request is counted under when its client went away (nginx's)
 
 
 @dataclass
@@ -44,28 +47,36 @@ class Generation:
     session: Session
     policy: Policy
     chat: bool
+    name: str  # the policy: relay, large, small, speculative-thinking
+    arrived: float  # time.perf_counter() when the request arrived
+
+    def age(self) -> float:
+        return time.perf_counter() - self.arrived
 
 
 class Generations:
     """Turns requests into generations and runs them over ``backend``; counts those in flight."""
 
-    def __init__(self, cfg: AppConfig, codec: Codec, backend: Backend, cues: CueProvider) -> None:
+    def __init__(self, cfg: AppConfig, codec: Codec, backend: Backend, cues: CueProvider, metrics: RouterMetrics) -> None:
         self.cfg = cfg
         self.codec = codec
         self.backend = backend
         self.cues = cues
+        self.metrics = metrics
         self.max_model_len = cfg.max_model_len or 4096
         self.in_flight = 0
 
     # ---- request -> generation -----------------------------------------------------------------
 
-    async def prepare(self, req: AnyRequest) -> Generation:
+    async def prepare(self, req: AnyRequest, arrived: float | None = None) -> Generation:
         """The generation ``req`` asks for; a ClientError naming the field when it cannot be."""
+        arrived = time.perf_counter() if arrived is None else arrived
         chat = isinstance(req, ChatCompletionRequest)
         name = self.policy_name(req.model)
         prompt_ids = self._prompt_ids(req)
         max_tokens = self._max_tokens(req, prompt_ids)
         await self.cues.maybe_refresh()
+        self.metrics.cue_set_version(self.cues.active().version)
         cues, cue_version = self._cues(req, name)
         session = Session(
             backend=self.backend,
@@ -80,7 +91,7 @@ class Generations:
             retry_backoff_s=self.cfg.router.retry_backoff_s,
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
-        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat)
+        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat, name, arrived)
 
     def _cues(self, req: AnyRequest, policy: str) -> tuple[list[str], str | None]:
         """The cues of this generation and their version: the request's own ``relay_cues``
@@ -103,6 +114,13 @@ class Generations:
             if self.cfg.policy.think_close in cue:
                 raise ClientError(f"a cue must not contain {self.cfg.policy.think_close!r}", param="relay_cues")
         return list(dict.fromkeys(req.relay_cues)), "request"
+
+    def model_label(self, model: Any) -> str:
+        """The policy ``model`` names, or ``unknown``: a metrics label of bounded cardinality."""
+        try:
+            return self.policy_name(model) if isinstance(model, str) else "unknown"
+        except ClientError:
+            return "unknown"
 
     def policy_name(self, model: str) -> str:
         prefix = self.cfg.router.model_name_prefix
@@ -182,10 +200,23 @@ class Generations:
             try:
                 result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
             except asyncio.TimeoutError as e:
+                self.metrics.request(g.name, 504, g.age())
                 raise ServerError(self.timeout_message(), status=504) from e
+            except asyncio.CancelledError:
+                self.metrics.request(g.name, CLIENT_GONE, g.age())
+                raise
             except Exception as e:  # noqa: BLE001 - typed for the client by failure()
-                raise failure(e, g.session.session_id) from e
+                err = failure(e, g.session.session_id)
+                self.metrics.request(g.name, err.status, g.age())
+                raise err from e
+        self.finished(g, result)
         return response(g, result)
+
+    def finished(self, g: Generation, result: GenerationResult, ttft_s: float | None = None) -> None:
+        """Count a generation that ran to its end (``ttft_s``: a streamed one's first text)."""
+        e2e = g.age()
+        self.metrics.request(g.name, 200, e2e)
+        self.metrics.generation(g.name, result, ttft_s=ttft_s, e2e_s=e2e)
 
     def timeout_message(self) -> str:
         return f"the generation took longer than {self.cfg.router.request_timeout_s} s"

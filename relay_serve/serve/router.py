@@ -9,6 +9,7 @@ fake backend.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fastapi import Request
@@ -19,7 +20,8 @@ from relay_serve.relay.policy import POLICY_NAMES
 from relay_serve.relay.types import Backend
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.generations import Generations
-from relay_serve.serve.http import build_api, read_request, validate
+from relay_serve.serve.http import RequestModel, build_api, read_request, validate
+from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
 from relay_serve.serve.streaming import events
 from relay_serve.tokenizer import check_pair
@@ -35,14 +37,17 @@ MODEL_DESCRIPTIONS = {
 
 
 class RelayRouter:
-    def __init__(self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None, metrics: RouterMetrics | None = None
+    ) -> None:
         self.cfg = AppConfig.model_validate(config)
         codec = check_pair(self.cfg)
         self.backend = backend if backend is not None else _serve_backend(self.cfg, large, small)
         from relay_serve.cues import pair_fingerprint
 
         self.cues = CueProvider(self.cfg, pair_fingerprint=pair_fingerprint(self.cfg))
-        self.generations = Generations(self.cfg, codec, self.backend, self.cues)
+        self.metrics = metrics if metrics is not None else RouterMetrics(self.cfg.name)
+        self.generations = Generations(self.cfg, codec, self.backend, self.cues, self.metrics)
         self.api = build_api(self)
 
     def __serve_build_asgi_app__(self):  # noqa: N802 - Ray Serve's hook name
@@ -54,6 +59,9 @@ class RelayRouter:
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.close()
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop_sampling()
 
     @property
     def in_flight(self) -> int:
@@ -98,28 +106,55 @@ class RelayRouter:
         }
 
     async def chat_completions(self, request: Request):
-        return await self._serve(await read_request(request, ChatCompletionRequest, self.cfg.router.max_request_bytes))
+        return await self._http(request, ChatCompletionRequest)
 
     async def completions(self, request: Request):
-        return await self._serve(await read_request(request, CompletionRequest, self.cfg.router.max_request_bytes))
+        return await self._http(request, CompletionRequest)
+
+    async def _http(self, request: Request, model_cls: type[RequestModel]):
+        arrived = time.perf_counter()
+        try:
+            req = await read_request(request, model_cls, self.cfg.router.max_request_bytes)
+        except ClientError as e:
+            self.metrics.request("unknown", e.status)
+            raise
+        return await self._serve(req, arrived)
 
     async def handle_request(self, body: dict[str, Any], chat: bool = True) -> dict[str, Any]:
         """For deployment-handle callers (batch jobs): one chat (or completion) request body in,
         ``{"response": ...}`` or ``{"error": {...OpenAI error...}, "status": <HTTP status>}`` out.
         Same validation, limits and policies as the HTTP API; no streaming."""
+        arrived = time.perf_counter()
         try:
-            req = validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            try:
+                req = validate(body, ChatCompletionRequest if chat else CompletionRequest)
+            except ClientError as e:
+                self.metrics.request(self.generations.model_label(body.get("model") if isinstance(body, dict) else None), e.status)
+                raise
             if req.stream:
+                self.metrics.request(self.generations.model_label(req.model), 400)
                 raise ClientError("stream is not supported through the deployment handle", param="stream")
-            return {"response": await self._serve(req)}
+            return {"response": await self._serve(req, arrived)}
         except (ClientError, ServerError) as e:
             return {**e.body(), "status": e.status}
 
-    async def _serve(self, req: ChatCompletionRequest | CompletionRequest):
-        g = await self.generations.prepare(req)
+    async def _serve(self, req: ChatCompletionRequest | CompletionRequest, arrived: float):
+        self.metrics.start_sampling(self._gauges)
+        try:
+            g = await self.generations.prepare(req, arrived)
+        except ClientError as e:
+            self.metrics.request(self.generations.model_label(req.model), e.status)
+            raise
         if req.stream:
             return StreamingResponse(events(self.generations, g), media_type="text/event-stream")
         return await self.generations.run(g)
+
+
+    def _gauges(self) -> tuple[int, dict[str, int] | None, dict[str, int] | None]:
+        """Generations in flight and leases held and idle per model (none with the handle transport)."""
+        counts = getattr(self.backend, "lease_counts", None)
+        held, idle = counts() if counts is not None else (None, None)
+        return self.in_flight, held, idle
 
 
 def _serve_backend(cfg: AppConfig, large, small) -> Backend:

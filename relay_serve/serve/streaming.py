@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from relay_serve.relay.types import GenerationResult, TextDelta
-from relay_serve.serve.generations import Generation, Generations, failure, usage
+from relay_serve.serve.generations import CLIENT_GONE, Generation, Generations, failure, usage
 from relay_serve.serve.openai_api import error_body, new_id, now
 
 
@@ -58,31 +58,37 @@ async def events(generations: Generations, g: Generation) -> AsyncIterator[str]:
     """The response's SSE lines as the generation runs; closing it (the client went away)
     cancels the generation and its engine requests."""
     fmt = EventFormat(g)
+    metrics = generations.metrics
+    status: int | None = CLIENT_GONE  # until the stream ends otherwise
     with generations.running(g):
         stream = g.session.stream(g.policy)
         try:
             if (line := fmt.start()) is not None:
                 yield line
             async with asyncio.timeout(generations.cfg.router.request_timeout_s):
-                async for line in _lines(fmt, stream):
-                    yield line
+                ttft_s: float | None = None
+                async for ev in stream:
+                    if isinstance(ev, TextDelta):
+                        ttft_s = g.age() if ttft_s is None else ttft_s
+                        yield fmt.delta(ev.text)
+                        continue
+                    status = None  # counted with the whole generation
+                    generations.finished(g, ev, ttft_s=g.age() if ttft_s is None else ttft_s)
+                    yield fmt.finish(ev.finish_reason)
+                    if (line := fmt.usage(ev)) is not None:
+                        yield line
         except TimeoutError:
+            status = 504
             yield sse(error_body(generations.timeout_message(), "server_error", code="timeout"))
         except Exception as e:  # noqa: BLE001 - reported to the client in the stream
-            yield sse(failure(e, g.session.session_id).body())
+            err = failure(e, g.session.session_id)
+            status = err.status
+            yield sse(err.body())
         finally:
+            if status is not None:
+                metrics.request(g.name, status, g.age())
             await stream.aclose()
     yield "data: [DONE]\n\n"
-
-
-async def _lines(fmt: EventFormat, stream: AsyncIterator[TextDelta | GenerationResult]) -> AsyncIterator[str]:
-    async for ev in stream:
-        if isinstance(ev, TextDelta):
-            yield fmt.delta(ev.text)
-            continue
-        yield fmt.finish(ev.finish_reason)
-        if (line := fmt.usage(ev)) is not None:
-            yield line
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -259,12 +259,24 @@ class DirectTransport:
         self.pool.close()
 
     def stats(self) -> dict[str, int]:
+        held = self.leases_held()
         return {
             "affinity_sessions": len(self.leases),
-            "leases": sum(len(held) for held in self.leases.values()),
+            "leases": sum(held.values()),
             "idle_leases": sum(len(idle) for idle in self.idle.values()),
             "channels": len(self.pool),
         }
+
+    def leases_held(self) -> dict[str, int]:
+        """Leases held by generations, per model."""
+        n = dict.fromkeys(self.idle, 0)
+        for held in self.leases.values():
+            for model in held:
+                n[model] += 1
+        return n
+
+    def leases_idle(self) -> dict[str, int]:
+        return {model: len(idle) for model, idle in self.idle.items()}
 
     async def segment(self, request: SegmentRequest, stream: Streaming) -> AsyncIterator[EngineChunk]:
         lease = self._lease(request.session_id, request.model)
