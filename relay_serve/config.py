@@ -67,9 +67,32 @@ def default_cpu_engine_env() -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
-def default_model_deployment() -> DeploymentSettings:
+ENGINE_LOAD_POLICY = "relay_serve.serve.autoscaling:EngineLoadPolicy"
+
+
+class ModelDeploymentSettings(DeploymentSettings):
+    """A model deployment's Serve options. With an ``autoscaling_config`` it scales on its
+    engines' load (``serve/autoscaling.py``), not on Serve's ongoing requests (leases)."""
+
+    target_engine_load: float | None = Field(
+        16.0,
+        gt=0.0,
+        description="with autoscaling_config: segments running or queued per replica's engine to aim at (averaged over "
+        "look_back_period_s); null: Serve's default policy (ongoing requests, i.e. leases, per replica). An "
+        "autoscaling_config with its own policy keeps it",
+    )
+
+    def serve_options(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        opts = super().serve_options(env_vars)
+        scaling = opts.get("autoscaling_config")
+        if scaling is not None and "policy" not in scaling and self.target_engine_load is not None:
+            scaling["policy"] = {"policy_function": ENGINE_LOAD_POLICY, "policy_kwargs": {"target_per_replica": self.target_engine_load}}
+        return opts
+
+
+def default_model_deployment() -> ModelDeploymentSettings:
     """One replica with one CPU and a 1 GiB KV cache (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE)."""
-    return DeploymentSettings(
+    return ModelDeploymentSettings(
         max_ongoing_requests=64,
         ray_actor_options={"num_cpus": 1, "runtime_env": {"env_vars": default_cpu_engine_env()}},
     )
@@ -84,7 +107,7 @@ class ModelSettings(Strict):
         default_factory=default_engine_args,
         description="passed through to vLLM's AsyncEngineArgs (dtype, max_model_len, speculative_config, ...)",
     )
-    deployment: DeploymentSettings = Field(default_factory=default_model_deployment)
+    deployment: ModelDeploymentSettings = Field(default_factory=default_model_deployment)
 
     @property
     def model_path(self) -> str:

@@ -15,13 +15,20 @@ log = logging.getLogger(__name__)
 
 
 class VLLMEngine(Engine):
-    def __init__(self, model: str, tokenizer: str | None = None, engine_args: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: str, tokenizer: str | None = None, engine_args: dict[str, Any] | None = None, ray_metrics: bool = False
+    ) -> None:
+        """``ray_metrics``: vLLM's own metrics (running and waiting requests, KV cache usage,
+        prefix-cache queries and hits, latencies) go through Ray's metrics export (``ray_vllm_*``)
+        instead of the process's Prometheus registry: a Ray Serve replica passes it."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = {"enable_prefix_caching": True, **(engine_args or {})}
         self.model = model
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args))
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args), stat_loggers=_stat_loggers(ray_metrics)
+        )
         self._max_model_len = int(self.engine.model_config.max_model_len)
         self._tokenizer = _hf_tokenizer(self.engine)
         self._fingerprint = tokenizer_fingerprint(self._tokenizer)
@@ -240,3 +247,11 @@ class OfflineEngine:
                 [sorted((lp.logprob for lp in (lps[i] or {}).values()), reverse=True)[:top_k] for i in range(max(1, start), len(seq))]
             )
         return rows
+
+
+def _stat_loggers(ray_metrics: bool) -> list | None:
+    if not ray_metrics:
+        return None  # vLLM's defaults
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]

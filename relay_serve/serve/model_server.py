@@ -24,6 +24,7 @@ from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens
 from relay_serve.relay.types import EngineChunk, SegmentRequest, Streaming
+from relay_serve.serve.autoscaling import ENGINE_LOAD
 from relay_serve.serve.channel import SegmentServer
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,15 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a replica (tests, scripts)
         return "local"
+
+
+def _in_ray() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except ImportError:
+        return False
 
 
 def _node_ip() -> str:
@@ -57,12 +67,15 @@ class ModelServer:
         from relay_serve.config import ModelSettings
 
         cfg = ModelSettings.model_validate(settings)
+        # served_model_name labels the engine's own metrics (model_name="large" or "small")
+        args = (cfg.model_path, cfg.tokenizer_path, {"served_model_name": role, **cfg.engine_args})
         if engine_cls is None:
             from relay_serve.engine.vllm_engine import VLLMEngine
 
-            engine_cls = VLLMEngine
+            self.engine: Engine = VLLMEngine(*args, ray_metrics=_in_ray())
+        else:
+            self.engine = engine_cls(*args)
         self.role = role
-        self.engine = engine_cls(cfg.model_path, cfg.tokenizer_path, cfg.engine_args)
         self.replica_id = _replica_id()
         self.requests_in_flight = 0
         self.leases_held = 0
@@ -200,6 +213,14 @@ class ModelServer:
             "session_restarts": self.session_restarts,
             "channel": self._channel.address if self._channel is not None else None,
         }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics (sampled by the replica, averaged over the
+        look-back window by the controller): this replica's engine load, the segments running
+        or queued in its engine. ``serve/autoscaling.py`` scales on it. Serve's own count of
+        ongoing requests would count leases, which follow the number of generations, not the work
+        a model does."""
+        return {ENGINE_LOAD: float(self.requests_in_flight)}
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine marks the replica unhealthy and replaces it."""
