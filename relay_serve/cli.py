@@ -384,11 +384,14 @@ def serve_cmd(
     config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", min=1, max=65535, help="the port of the Prometheus metrics a local Ray exports (default: a free one; printed)"
+    ),
 ) -> None:
     """Start the relay service (local Ray, the toy pair and a local cue store unless configured)."""
     from relay_serve.serve.local import serve_forever
 
-    serve_forever(_load_config(config), host, port)
+    serve_forever(_load_config(config), host, port, metrics_port)
 
 
 @app.command("config")

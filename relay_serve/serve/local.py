@@ -23,9 +23,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
+def init_ray(
+    env_vars: dict[str, str] | None = None, num_cpus: int | None = None, metrics_port: int | None = None, **kwargs: Any
+) -> None:
     """Connect to RELAY_RAY_ADDRESS, or start a local Ray; ``env_vars`` reach every worker (the
-    Serve controller and proxies too)."""
+    Serve controller and proxies too). ``metrics_port``: where a local Ray's metrics agent serves
+    Prometheus (a cluster's nodes have theirs from ``ray start --metrics-export-port``)."""
     import ray
 
     if ray.is_initialized():
@@ -34,7 +37,11 @@ def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None
     address = envs.ray_address()
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
+        if metrics_port is not None and metrics_port != _node_metrics_port():
+            log.warning("--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, _node_metrics_port())
     else:
+        if metrics_port is not None:
+            kwargs["_metrics_export_port"] = metrics_port
         envs.run_local_ray_workers_at_normal_priority()
         # Serve's direct ingress holds a stopping ingress replica open 30 s for external load
         # balancers to deregister it; a local Ray has none (in-flight requests are still awaited).
@@ -42,13 +49,30 @@ def init_ray(env_vars: dict[str, str] | None = None, num_cpus: int | None = None
         ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
 
 
-def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None) -> str:
+def _this_node() -> dict[str, Any]:
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(n for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def _node_metrics_port() -> int:
+    return int(_this_node()["MetricsExportPort"])
+
+
+def metrics_url() -> str:
+    """Where this node's Ray metrics agent serves Prometheus (the relay metrics among them)."""
+    node = _this_node()
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+
+def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None, metrics_port: int | None = None) -> str:
     """Start Ray (unless connected), Serve and the app; return the base URL once it is ready."""
     from ray import serve
 
     from relay_serve.serve.app import build_app
 
-    init_ray(cfg.env_vars, num_cpus)
+    init_ray(cfg.env_vars, num_cpus, metrics_port=metrics_port)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -69,11 +93,12 @@ def warm_up(base: str) -> None:
         raise RuntimeError(f"the warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 
 
-def serve_forever(cfg: AppConfig, host: str, port: int) -> None:
+def serve_forever(cfg: AppConfig, host: str, port: int, metrics_port: int | None = None) -> None:
     t0 = time.time()
-    url = start(cfg, host, port)
+    url = start(cfg, host, port, metrics_port=metrics_port)
     warm_up(url)
     print(f"relay-serve is ready at {url}/v1 (started in {time.time() - t0:.1f} s); Ctrl-C stops it", flush=True)
+    print(f"metrics (Prometheus) at {metrics_url()}", flush=True)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # SIGTERM (kill, a container stop) shuts down as Ctrl-C does

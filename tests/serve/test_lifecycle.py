@@ -20,13 +20,13 @@ pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 
 
 def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RELAY_RAY_ADDRESS")}  # a Ray of its own
     env["RELAY_STATE_DIR"] = str(tmp_path)
     cli = Path(sys.executable).parent / "relay-serve"
     log = tmp_path / "serve.err"  # a file, not a pipe: the engines' logs must not fill a pipe nobody reads
     with log.open("w") as err_file:
-        proc = subprocess.Popen([str(cli), "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
+        proc = subprocess.Popen([str(cli), "serve", "--port", str(port), "--metrics-port", str(metrics_port)], env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
     try:
         ready = proc.stdout.readline()  # blocks until the service says it is ready (or exits)
         assert "is ready at" in ready, ready + log.read_text()[-3000:]
@@ -39,6 +39,10 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
             assert r.status_code == 200, r.text
         warm = statistics.median(times[1:])
         assert times[0] < 5 * warm + 1.0, times  # the first request pays no start-up cost (it paid 20-25 s)
+        # the metrics URL it printed is on the port asked for and counts the warm-up and these 4
+        metrics_line = proc.stdout.readline()
+        assert metrics_line.startswith("metrics (Prometheus) at http://") and metrics_line.rstrip().endswith(f":{metrics_port}/metrics"), metrics_line
+        assert exported_requests(metrics_line.split(" at ")[1].strip(), expect=5) == 5
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -52,3 +56,22 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
     assert stop_s < 12, f"stopping took {stop_s:.1f} s"  # 6.6-8.6 s here (33 s before)
     for bad in ("Traceback", "Logging error", "failed to shut down", "did not drain"):
         assert bad not in err, err[err.index(bad) - 2000 : err.index(bad) + 500]
+
+
+def exported_requests(url: str, expect: float, timeout_s: float = 60.0) -> float:
+    """relay_serve_requests_total{model="relay",status="200"} as Ray's metrics agent exports it
+    (with Ray's ``ray_`` prefix), once it reaches ``expect`` or ``timeout_s`` passed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.time() + timeout_s
+    while True:
+        text = httpx.get(url, timeout=10).text
+        n = sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "ray_relay_serve_requests_total" and s.labels.get("model") == "relay" and s.labels.get("status") == "200"
+        )
+        if n >= expect or time.time() > deadline:
+            return n
+        time.sleep(1)
