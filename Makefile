@@ -8,13 +8,23 @@ EXTRAS ?= cpu,test
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION ?= 2.13.0+cpu
 
-.PHONY: serve test install clean
+.PHONY: serve test install prometheus clean
 
 serve: $(STAMP)
 	$(BIN)/relay-serve serve
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(BIN)/python -m pytest
+
+# The metrics test runs a real Prometheus: Debian's package, installed where missing (as root, or
+# with sudo). Installing it does not start it here (no systemd in a container; the test starts its own).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing Debian's prometheus (tests/serve/test_prometheus.py scrapes the app with it)"; \
+	  $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update >/dev/null && $$SUDO apt-get install -y --no-install-recommends prometheus >/dev/null; } || \
+	  { echo "cannot install prometheus: apt-get install prometheus (Debian/Ubuntu), or put a prometheus binary on PATH" >&2; exit 1; }; }
 
 install: $(STAMP)
 

@@ -37,8 +37,8 @@ def init_ray(
     address = envs.ray_address()
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
-        if metrics_port is not None and metrics_port != _node_metrics_port():
-            log.warning("--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, _node_metrics_port())
+        if metrics_port is not None and metrics_port != node_metrics_port():
+            log.warning("--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, node_metrics_port())
     else:
         if metrics_port is not None:
             kwargs["_metrics_export_port"] = metrics_port
@@ -56,7 +56,7 @@ def _this_node() -> dict[str, Any]:
     return next(n for n in ray.nodes() if n["NodeID"] == node_id)
 
 
-def _node_metrics_port() -> int:
+def node_metrics_port() -> int:
     return int(_this_node()["MetricsExportPort"])
 
 

@@ -237,3 +237,29 @@ def test_versions_agree_with_pyproject():
             pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
             images = {c["image"] for p in pods for c in p["spec"]["containers"]}
             assert images == {f"ghcr.io/relay-serve/relay-serve:{version}-gpu"}
+
+
+def test_every_pod_is_scrapeable_and_the_podmonitor_finds_them():
+    """Each pod's Ray exports metrics on 8080 (port "metrics", annotated for annotation-based
+    discovery); the PodMonitor selects exactly the relay-serve pods on that port and stores the
+    metrics under the names the local scrape config gives them."""
+    (svc,) = documents("rayservice.yaml")
+    cluster = svc["spec"]["rayClusterConfig"]
+    pods = [("head", cluster["headGroupSpec"])] + list(_groups(svc["spec"]).items())
+    (monitor,) = documents("podmonitor.yaml")
+    assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for name, group in pods:
+        assert group["rayStartParams"]["metrics-export-port"] == "8080", name
+        meta = group["template"]["metadata"]
+        assert meta["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080", "prometheus.io/path": "/metrics"}, name
+        assert selector.items() <= meta["labels"].items(), name
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"containerPort": 8080, "name": endpoint["port"]} in container["ports"], name
+    local = yaml.safe_load((K8S.parent / "monitoring" / "prometheus.yml").read_text())["scrape_configs"][0]["metric_relabel_configs"]
+    (rule,) = endpoint["metricRelabelings"]
+    (local_rule,) = local
+    assert (rule["sourceLabels"], rule["regex"], rule["targetLabel"], rule["replacement"]) == (
+        local_rule["source_labels"], local_rule["regex"], local_rule["target_label"], local_rule["replacement"]
+    )

@@ -136,3 +136,16 @@ def test_gauges_sample_leases_per_model_and_generations_in_flight():
     idle = {dict(k)["engine"]: v for k, v in m.leases.values.items() if dict(k)["state"] == "idle"}
     assert held == {"large": 2, "small": 1} and idle == {"large": 0, "small": 4}
     assert m.in_flight.total() == 3
+
+
+def test_the_dashboard_reads_only_metrics_the_router_exports():
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "monitoring" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"relay_serve_[a-z0-9_]+", e)}
+    _, m = router_with_metrics()
+    exported = {v.name for v in vars(m).values() if isinstance(v, _Metric)}
+    assert used and used <= exported, used - exported
+    assert exported - used == set(), f"exported but on no panel: {exported - used}"
