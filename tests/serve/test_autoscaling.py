@@ -12,7 +12,7 @@ from relay_serve.serve.autoscaling import ENGINE_LOAD, EngineLoadPolicy
 
 def ctx(loads: dict[str, float] | None, target: int = 1):
     metrics = None if loads is None else {ENGINE_LOAD: loads}
-    return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=target)
+    return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=target, deployment_name="small")
 
 
 @pytest.mark.parametrize(
