@@ -52,8 +52,10 @@ def init_ray(
 def _this_node() -> dict[str, Any]:
     import ray
 
-    node_id = ray.get_runtime_context().get_node_id()
-    return next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    from relay_serve.serve.placement import node_id
+
+    here = node_id()
+    return next(n for n in ray.nodes() if n["NodeID"] == here)
 
 
 def node_metrics_port() -> int:

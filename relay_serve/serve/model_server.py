@@ -26,6 +26,7 @@ from relay_serve.engine.stops import PauseTokens
 from relay_serve.relay.types import EngineChunk, SegmentRequest, Streaming
 from relay_serve.serve.autoscaling import ENGINE_LOAD
 from relay_serve.serve.channel import SegmentServer
+from relay_serve.serve.placement import node_id, node_ip
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +42,6 @@ def _replica_id() -> str:
         return "local"
 
 
-def _in_ray() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized()
-    except ImportError:
-        return False
-
-
-def _node_ip() -> str:
-    """The address other nodes reach this one by (inside Ray), else the loopback address."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (tests, scripts)
-        pass
-    return "127.0.0.1"
-
-
 class ModelServer:
     def __init__(self, role: str, settings: dict[str, Any], engine_cls: type[Engine] | None = None) -> None:
         from relay_serve.config import ModelSettings
@@ -72,7 +52,7 @@ class ModelServer:
         if engine_cls is None:
             from relay_serve.engine.vllm_engine import VLLMEngine
 
-            self.engine: Engine = VLLMEngine(*args, ray_metrics=_in_ray())
+            self.engine: Engine = VLLMEngine(*args, ray_metrics=node_id() is not None)
         else:
             self.engine = engine_cls(*args)
         self.role = role
@@ -196,7 +176,7 @@ class ModelServer:
     async def _segment_channel(self) -> SegmentServer:
         async with self._channel_lock:  # started on the loop the engine runs on, once
             if self._channel is None:
-                channel = SegmentServer(self, host=_node_ip())
+                channel = SegmentServer(self, host=node_ip())
                 await channel.start()
                 self._channel = channel
         return self._channel
@@ -207,6 +187,7 @@ class ModelServer:
             **info.model_dump(),
             "role": self.role,
             "replica_id": self.replica_id,
+            "node_id": node_id(),
             "requests_in_flight": self.requests_in_flight,
             "leases_held": self.leases_held,
             "sessions": len(self.sessions),

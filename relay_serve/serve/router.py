@@ -22,6 +22,7 @@ from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.generations import Generations
 from relay_serve.serve.http import RequestModel, build_api, read_request, validate
 from relay_serve.serve.metrics import RouterMetrics
+from relay_serve.serve.placement import node_id
 from relay_serve.serve.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
 from relay_serve.serve.streaming import events
 from relay_serve.tokenizer import check_pair
@@ -95,6 +96,7 @@ class RelayRouter:
         segments = getattr(self.backend, "in_flight", None)
         held = self.backend.stats()
         return {
+            "node_id": node_id(),
             "in_flight": self.in_flight,
             "affinity_sessions": held.get("affinity_sessions", 0),
             "leases": held.get("leases"),
