@@ -25,6 +25,8 @@ def _setup() -> None:
 
     envs.route_vllm_logs_to_stderr()
 app.add_typer(toy_app, name="toy")
+cues_app = typer.Typer(help="The pair's cue set versions in the store: history, rollback, unpin.", no_args_is_help=True)
+app.add_typer(cues_app, name="cues")
 
 
 class ToyModel(str, Enum):
@@ -446,3 +448,69 @@ def main() -> None:  # pragma: no cover
 def _validation_messages(e: ValidationError) -> list[str]:
     """A settings error as the user's words: the field and what is wrong with it, no pydantic dump."""
     return [(f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ") for err in e.errors()]
+
+
+# ---- cue set versions ----------------------------------------------------------------------------
+
+ConfigOption = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML (its cues.store_uri)")
+
+
+def _store(config: Optional[Path]):
+    from relay_serve.store import CueStore, StoreError
+
+    cfg = _load_config(config)
+    try:
+        return CueStore(cfg.cues.store_uri, cfg.cues.storage_options)
+    except StoreError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from e
+
+
+@cues_app.command("history")
+def cues_history(config: Optional[Path] = ConfigOption, as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """Every version, oldest first: its source, selection and figures; which one is LATEST and pinned."""
+    store = _store(config)
+    latest, pinned = store.latest_version(), store.pinned()
+    rows = []
+    for c in store.history():
+        p = c.provenance
+        rows.append({
+            "version": c.version, "created_at": c.created_at.isoformat(), "source": p.source, "selected": c.selected,
+            "overall_mean": round(c.overall_mean, 4), "overall_tokens": c.overall_count,
+            "generations": p.generations, "window_start": p.window_start.isoformat() if p.window_start else None,
+            "window_end": p.window_end.isoformat() if p.window_end else None, "previous": p.previous,
+            "latest": c.version == latest, "pinned": c.version == pinned,
+        })  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo(f"no cue set in {store.uri} (the router uses the default set)")
+    for r in rows:
+        mark = ("LATEST" if r["latest"] else "") + (" PINNED" if r["pinned"] else "")
+        figures = f"{r['generations']} generations {r['window_start']} .. {r['window_end']}" if r["source"] == "online" else f"{r['overall_tokens']} tokens"
+        typer.echo(f"{r['version']:<32} {r['source']:<11} {', '.join(r['selected']):<40} {figures} {mark}".rstrip())
+
+
+@cues_app.command("rollback")
+def cues_rollback(version: str = typer.Argument(..., help="a version `relay-serve cues history` lists"), config: Optional[Path] = ConfigOption) -> None:
+    """Move LATEST back to VERSION and pin it: online calibration publishes nothing until `cues unpin`."""
+    from relay_serve.store import StoreError
+
+    store = _store(config)
+    if version not in store.versions():
+        raise typer.BadParameter(f"no version {version!r} in {store.uri}; `relay-serve cues history` lists them", param_hint="VERSION")
+    try:
+        store.rollback(version)
+    except StoreError as e:
+        raise typer.BadParameter(str(e), param_hint="VERSION") from e
+    typer.echo(f"LATEST is {version}, pinned: online publishing pauses until `relay-serve cues unpin`")
+
+
+@cues_app.command("unpin")
+def cues_unpin(config: Optional[Path] = ConfigOption) -> None:
+    """Let online calibration publish again."""
+    store = _store(config)
+    was = store.pinned()
+    store.unpin()
+    typer.echo(f"unpinned {was}" if was else "nothing was pinned")
+

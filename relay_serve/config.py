@@ -156,6 +156,40 @@ class PaperSampling(BaseModel):
     top_k: int = Field(20, ge=-1)
 
 
+class SelectionRule(BaseModel):
+    """How cues are selected from their margins (the calibration job's rule, and online calibration's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Literal["ci-above-overall", "mean-above-overall"] = Field(
+        "ci-above-overall",
+        description="ci-above-overall: the lower end of the cue's interval is above the overall mean "
+        "(ours); mean-above-overall: the cue's mean is (the paper's)",
+    )
+    min_occurrences: int = Field(5, ge=1)
+    confidence: float = Field(0.95, gt=0.0, lt=1.0)
+
+
+class OnlineCalibration(Strict):
+    """Cue sets recalibrated from served traffic (``serve/shadow.py``, ``serve/cue_stats.py``)."""
+
+    enabled: bool = Field(False, description="score served relay generations and publish re-selected cue sets")
+    sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="the share of finished relay generations a router scores")
+    explore_rate: float = Field(
+        0.02, ge=0.0, le=1.0,
+        description="the share of relay generations whose reasoning the large model writes alone (evidence on the selected cues)",
+    )  # fmt: skip
+    min_occurrences: int = Field(20, ge=1, description="a cue needs this many scored occurrences to be selected")
+    confidence: float = Field(0.95, gt=0.0, lt=1.0)
+    rule: Literal["ci-above-overall", "mean-above-overall"] = "ci-above-overall"
+    publish_interval_s: float = Field(300.0, gt=0.0, description="how often the shared statistics re-select")
+    max_queue: int = Field(8, ge=1, description="generations waiting to be scored per router; more are dropped")
+    candidates: list[str] | None = Field(None, description="the cues to keep statistics of (default: the calibration job's)")
+
+    def selection_rule(self) -> SelectionRule:
+        return SelectionRule(rule=self.rule, min_occurrences=self.min_occurrences, confidence=self.confidence)
+
+
 class CueSettings(Strict):
     store_uri: str = Field(default_factory=lambda: envs.cue_store_uri(), description="where calibrated cue sets live")
     poll_interval_s: float = Field(5.0, gt=0.0)
@@ -166,6 +200,7 @@ class CueSettings(Strict):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options for the store (endpoint_url, key, secret, ...)"
     )
+    online: OnlineCalibration = Field(default_factory=OnlineCalibration)
 
 
 class RouterSettings(Strict):

@@ -14,9 +14,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from relay_serve.config import AppConfig, ModelSettings
+from relay_serve.config import AppConfig, ModelSettings, SelectionRule
 
 DEFAULT_VERSION = "default"
 
@@ -27,18 +27,6 @@ class CueStats(BaseModel):
     mean: float | None = Field(None, description="mean over occurrences of the mean margin in its sentence")
     ci_low: float | None = None
     ci_high: float | None = None
-
-
-class SelectionRule(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    rule: Literal["ci-above-overall", "mean-above-overall"] = Field(
-        "ci-above-overall",
-        description="ci-above-overall: the lower end of the cue's interval is above the overall mean "
-        "(ours); mean-above-overall: the cue's mean is (the paper's)",
-    )
-    min_occurrences: int = Field(5, ge=1)
-    confidence: float = Field(0.95, gt=0.0, lt=1.0)
 
 
 class ModelPair(BaseModel):
@@ -55,6 +43,16 @@ class CalibrationData(BaseModel):
     num_tokens: int
 
 
+class Provenance(BaseModel):
+    """Where a version came from. Calibration-job versions before this field have none."""
+
+    source: Literal["calibration", "online", "manual"] = "calibration"
+    generations: int | None = Field(None, description="online: the served generations scored into the statistics")
+    window_start: datetime | None = Field(None, description="online: the first scored generation")
+    window_end: datetime | None = Field(None, description="online: the last one")
+    previous: str | None = Field(None, description="online: the version active when this one was selected")
+
+
 class CueSet(BaseModel):
     schema_version: Literal[1] = 1
     version: str
@@ -67,6 +65,7 @@ class CueSet(BaseModel):
     data: CalibrationData
     created_at: datetime
     job_id: str | None = None
+    provenance: Provenance = Field(default_factory=Provenance)
 
 
 class ActiveCues(BaseModel):

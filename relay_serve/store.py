@@ -5,6 +5,8 @@ Layout under the store's prefix:
     versions/<version>.json   one CueSet document per version, never rewritten
     reports/<version>/        the calibration run's report.json and margins.png
     LATEST                    the version readers should use
+    PINNED                    present after a rollback: the pinned version (online publishing pauses)
+    online/stats.json         online calibration's shared statistics (serve/cue_stats.py)
 
 ``publish`` writes the version first and moves ``LATEST`` last, so a reader sees either the old
 set or the new one, never half of one. On a local file system ``LATEST`` is written under a
@@ -90,6 +92,56 @@ class CueStore:
         except Exception as e:  # noqa: BLE001
             raise StoreError(f"cannot write the report to {self.uri}: {type(e).__name__}: {e}") from e
         return f"{self.uri}/reports/{version}"
+
+    def set_latest(self, version: str) -> None:
+        """Point ``LATEST`` at an existing version."""
+        self.load(version)  # it exists and is a valid set
+        try:
+            self._replace(self._path("LATEST"), check_version(version).encode())
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot write {self.uri}/LATEST: {type(e).__name__}: {e}") from e
+
+    def rollback(self, version: str) -> None:
+        """``LATEST`` back to ``version``, pinned: online publishing pauses until :meth:`unpin`."""
+        self.set_latest(version)
+        self._write("PINNED", check_version(version).encode())
+
+    def unpin(self) -> None:
+        try:
+            if self.fs.exists(self._path("PINNED")):
+                self.fs.rm(self._path("PINNED"))
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot remove {self.uri}/PINNED: {type(e).__name__}: {e}") from e
+
+    def pinned(self) -> str | None:
+        """The version a rollback pinned, or None."""
+        raw = self._read("PINNED")
+        return None if raw is None else raw.decode().strip()
+
+    def _write(self, name: str, data: bytes) -> None:
+        try:
+            self._replace(self._path(name), data)
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot write {self.uri}/{name}: {type(e).__name__}: {e}") from e
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(name))
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001
+            raise StoreError(f"cannot read {self.uri}/{name}: {type(e).__name__}: {e}") from e
+
+    def put_online_stats(self, data: bytes) -> None:
+        self.fs.makedirs(self._path("online"), exist_ok=True)
+        self._write("online/stats.json", data)
+
+    def online_stats(self) -> bytes | None:
+        return self._read("online/stats.json")
+
+    def history(self) -> list[CueSet]:
+        """Every version, oldest first (by creation time)."""
+        return sorted((self.load(v) for v in self.versions()), key=lambda c: c.created_at)
 
     def latest_version(self) -> str | None:
         path = self._path("LATEST")

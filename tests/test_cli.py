@@ -31,3 +31,29 @@ def test_config_into_needs_k8s(tmp_path):
     assert r.exit_code == 2 and "--into" in r.output
     r = runner.invoke(app, ["config", "--format", "k8s", "--into", str(manifest)])
     assert r.exit_code == 0 and "import_path: relay_serve.serve.app:app_builder" in manifest.read_text()
+
+
+def test_cues_history_rollback_and_unpin(tmp_path):
+    import json
+
+    from relay_serve.store import CueStore
+    from tests.calibration.test_store import make_set
+
+    store = CueStore((tmp_path / "cues").as_uri())
+    store.publish(make_set("v1", selected=("First,",)))
+    store.publish(make_set("v2", selected=("Thus,", "Wait,")))
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text(f"cues: {{store_uri: {store.uri}}}\n")
+    rows = json.loads(runner.invoke(app, ["cues", "history", "--config", str(cfg), "--json"]).output)
+    assert [(r["version"], r["selected"], r["latest"], r["pinned"]) for r in rows] == [
+        ("v1", ["First,"], False, False), ("v2", ["Thus,", "Wait,"], True, False)
+    ]
+    r = runner.invoke(app, ["cues", "rollback", "v1", "--config", str(cfg)])
+    assert r.exit_code == 0 and "pinned" in r.output
+    assert store.latest_version() == "v1" and store.pinned() == "v1"
+    text = runner.invoke(app, ["cues", "history", "--config", str(cfg)]).output
+    assert "LATEST PINNED" in text.splitlines()[0] and "First," in text.splitlines()[0]
+    r = runner.invoke(app, ["cues", "rollback", "v7", "--config", str(cfg)])
+    assert r.exit_code == 2 and "no version 'v7'" in r.output
+    assert runner.invoke(app, ["cues", "unpin", "--config", str(cfg)]).output.strip() == "unpinned v1"
+    assert store.pinned() is None

@@ -139,3 +139,38 @@ def test_unreachable_store_is_a_store_error():
     store = CueStore("s3://cues/x", {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
     with pytest.raises(StoreError):
         store.latest_version()
+
+
+def test_rollback_pins_and_unpin_releases(tmp_path):
+    store = CueStore((tmp_path / "cues").as_uri())
+    store.publish(make_set("v1"))
+    store.publish(make_set("v2"))
+    assert store.pinned() is None
+    store.rollback("v1")
+    assert store.latest_version() == "v1" and store.pinned() == "v1"
+    with pytest.raises(CorruptCueSet, match="v9"):
+        store.rollback("v9")  # only an existing version
+    assert store.latest_version() == "v1"
+    store.unpin()
+    assert store.pinned() is None
+    store.unpin()  # twice is fine
+
+
+def test_history_is_in_creation_order_with_provenance(tmp_path):
+    from relay_serve.cues import Provenance
+
+    store = CueStore((tmp_path / "cues").as_uri())
+    store.publish(make_set("b-first"))
+    online = make_set("a-second").model_copy(update={"provenance": Provenance(source="online", generations=40)})
+    store.publish(online)
+    history = store.history()
+    assert [c.version for c in history] == ["b-first", "a-second"]
+    assert [c.provenance.source for c in history] == ["calibration", "online"] and history[1].provenance.generations == 40
+
+
+def test_online_statistics_round_trip(tmp_path):
+    store = CueStore((tmp_path / "cues").as_uri())
+    assert store.online_stats() is None
+    store.put_online_stats(b'{"n": 1}')
+    store.put_online_stats(b'{"n": 2}')
+    assert store.online_stats() == b'{"n": 2}'
