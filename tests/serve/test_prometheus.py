@@ -1,6 +1,6 @@
 """The relay metrics in a real Prometheus (Debian's ``prometheus``, which ``make test`` installs
 where missing), scraping the test cluster's Ray metrics export with the project's own scrape
-configuration (monitoring/prometheus.yml): after N relay requests PromQL finds exactly N, the
+configuration and alerting rules (monitoring/): after N relay requests PromQL finds exactly N, the
 switches the responses' usage adds up to, the tokens by engine, and non-empty latency histograms;
 vLLM's engine figures of both deployments are there too."""
 
@@ -35,7 +35,8 @@ def prometheus(ray_cluster, tmp_path_factory):
     assert binary, "Debian's prometheus is not installed: `make test` installs it (apt-get install prometheus)"
     work = tmp_path_factory.mktemp("prometheus")
     cfg = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
-    cfg["global"]["scrape_interval"] = "1s"
+    cfg["global"]["scrape_interval"] = cfg["global"]["evaluation_interval"] = "1s"
+    shutil.copy(ROOT / "monitoring" / "alerts.yml", work / "alerts.yml")
     (job,) = cfg["scrape_configs"]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{node_metrics_port()}"]}]
     (work / "prometheus.yml").write_text(yaml.safe_dump(cfg))
@@ -181,3 +182,17 @@ def test_every_dashboard_query_runs_and_has_data(prometheus, metrics_app):
         if not query(prometheus, promql):
             empty.append((title, promql))
     assert not empty, empty
+
+
+def test_the_alerting_rules_load_and_evaluate(prometheus, metrics_app):
+    """monitoring/alerts.yml: every rule loaded and evaluated without error against the app's
+    series; none fires on a healthy app."""
+    deadline = time.time() + 30
+    while True:
+        groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if rules and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("20") for r in rules) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
+    assert [r["name"] for r in rules if r["state"] != "inactive"] == []
