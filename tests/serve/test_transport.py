@@ -239,12 +239,12 @@ def test_the_replica_counts_its_leases_and_reports_its_channel():
         await asyncio.sleep(0.01)
         return info, large.leases_held
 
-    from relay_serve.serve.model_server import _node_ip
+    from relay_serve.serve.placement import node_ip
 
     info, held_after = asyncio.run(go())
     host, _, port = info["channel"].rpartition(":")
     assert info["leases_held"] == 1 and held_after == 0
-    assert host == _node_ip() and int(port) > 0  # the node's address inside Ray (other tests start one), else loopback
+    assert host == node_ip() and int(port) > 0  # the node's address inside Ray (other tests start one), else loopback
 
 
 def test_unknown_transports_are_refused():
