@@ -74,20 +74,25 @@ def trace_margins(
     cues: Sequence[str],
     think_open: str = "<think>",
     think_close: str = "</think>",
+    counted: Sequence[bool] | None = None,
 ) -> TraceMargins:
     """Margins of one scored trace: ``top_logprobs[i]`` are the scoring model's largest
     log-probabilities at completion token ``i``. Only the reasoning (between ``think_open`` and
-    ``think_close``, or to the end when it never closes) counts."""
+    ``think_close``, or to the end when it never closes) counts, and with ``counted`` only the
+    tokens it marks (a served relay generation: the large model's; the small model's own sentences
+    say nothing about how it would have written them)."""
     if len(top_logprobs) != len(completion_ids):
         raise ValueError(f"{len(completion_ids)} tokens but {len(top_logprobs)} scored positions")
+    if counted is not None and len(counted) != len(completion_ids):
+        raise ValueError(f"{len(completion_ids)} tokens but {len(counted)} counted flags")
     text, spans = token_spans(codec, completion_ids)
     lo = text.find(think_open)
     lo = 0 if lo == -1 else lo + len(think_open)
     hi = text.find(think_close, lo)
     hi = len(text) if hi == -1 else hi
     kept_spans, kept = [], []
-    for (a, b), lps in zip(spans, top_logprobs):
-        if a >= lo and b <= hi and b > a:
+    for i, ((a, b), lps) in enumerate(zip(spans, top_logprobs)):
+        if a >= lo and b <= hi and b > a and (counted is None or counted[i]):
             kept_spans.append((a - lo, b - lo))
             kept.append(margin_from_logprobs(lps))
     return group_margins(text[lo:hi], kept_spans, kept, cues)

@@ -79,6 +79,11 @@ class Engine(ABC):
         """Text of token ids, as the engine's own stop-string check would see it."""
         raise NotImplementedError
 
+    async def score(self, token_ids: list[int], start: int, request_id: str, top_k: int = 2) -> list[list[float]]:
+        """Teacher-forced: the ``top_k`` largest log-probabilities at every position of
+        ``token_ids`` from ``start`` (online cue calibration scores served generations with it)."""
+        raise NotImplementedError
+
     @abstractmethod
     def info(self) -> EngineInfo: ...
 

@@ -38,6 +38,19 @@ class VLLMEngine(Engine):
     def info(self) -> EngineInfo:
         return EngineInfo(model=self.model, max_model_len=self._max_model_len, tokenizer_fingerprint=self._fingerprint)
 
+    async def score(self, token_ids: list[int], start: int, request_id: str, top_k: int = 2) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+            final = out
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("the engine returned no prompt log-probabilities")
+        return top_logprobs(final.prompt_logprobs, len(token_ids), start, top_k)
+
     async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -240,13 +253,13 @@ class OfflineEngine:
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=progress)
-        rows = []
-        for out, seq, start in zip(outs, sequences, starts):
-            lps = out.prompt_logprobs
-            rows.append(
-                [sorted((lp.logprob for lp in (lps[i] or {}).values()), reverse=True)[:top_k] for i in range(max(1, start), len(seq))]
-            )
-        return rows
+        return [top_logprobs(out.prompt_logprobs, len(seq), start, top_k) for out, seq, start in zip(outs, sequences, starts)]
+
+
+def top_logprobs(prompt_logprobs, length: int, start: int, top_k: int) -> list[list[float]]:
+    """The ``top_k`` largest log-probabilities at positions ``start``..``length`` of vLLM's
+    prompt log-probabilities (which hold the top k and the token's own)."""
+    return [sorted((lp.logprob for lp in (prompt_logprobs[i] or {}).values()), reverse=True)[:top_k] for i in range(max(1, start), length)]
 
 
 def _stat_loggers(ray_metrics: bool) -> list | None:

@@ -155,6 +155,9 @@ class RelayUsage(BaseModel):
         default=0, description="handoffs the large model kept: small deployment overloaded, unavailable or failed"
     )
     retries: int = Field(default=0, description="engine requests sent again after a failure (a replica died)")
+    explored: bool = Field(
+        default=False, description="online cue calibration: the large model wrote all the reasoning (evidence on the selected cues)"
+    )
     false_stops: int = Field(
         default=0, description="large-model segments that stopped on a cue's stop string where no cue was (a new engine request)"
     )

@@ -18,6 +18,7 @@ from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUn
 from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.metrics import RouterMetrics
+from relay_serve.serve.shadow import ShadowScorer
 from relay_serve.serve.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
@@ -49,6 +50,7 @@ class Generation:
     chat: bool
     name: str  # the policy: relay, large, small, speculative-thinking
     arrived: float  # time.perf_counter() when the request arrived
+    explored: bool = False  # online calibration: the reasoning is the large model's alone
 
     def age(self) -> float:
         return time.perf_counter() - self.arrived
@@ -63,6 +65,7 @@ class Generations:
         self.backend = backend
         self.cues = cues
         self.metrics = metrics
+        self.shadow: ShadowScorer | None = None  # online cue calibration, when enabled
         self.max_model_len = cfg.max_model_len or 4096
         self.in_flight = 0
 
@@ -78,6 +81,9 @@ class Generations:
         await self.cues.maybe_refresh()
         self.metrics.cue_set_version(self.cues.active().version)
         cues, cue_version = self._cues(req, name)
+        explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
+        if explored:
+            cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue
         session = Session(
             backend=self.backend,
             codec=self.codec,
@@ -91,7 +97,8 @@ class Generations:
             retry_backoff_s=self.cfg.router.retry_backoff_s,
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
-        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat, name, arrived)
+        session.usage.explored = explored
+        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat, name, arrived, explored)
 
     def _cues(self, req: AnyRequest, policy: str) -> tuple[list[str], str | None]:
         """The cues of this generation and their version: the request's own ``relay_cues``
@@ -217,6 +224,8 @@ class Generations:
         e2e = g.age()
         self.metrics.request(g.name, 200, e2e)
         self.metrics.generation(g.name, result, ttft_s=ttft_s, e2e_s=e2e)
+        if self.shadow is not None and g.name == "relay" and g.request.relay_cues is None:
+            self.shadow.offer(g.session.prompt_ids, result.token_ids, g.session.output.owners, g.explored)
 
     def timeout_message(self) -> str:
         return f"the generation took longer than {self.cfg.router.request_timeout_s} s"

@@ -116,6 +116,11 @@ class RouterMetrics:
             description="Generations this router replica is running.",
             tag_keys=("app",),
         ))  # fmt: skip
+        self.shadow = tagged(m.Counter(
+            "relay_serve_shadow_generations_total",
+            description="Online cue calibration: served relay generations scored, dropped (the scoring queue was full) or failed.",
+            tag_keys=("app", "outcome"),
+        ))  # fmt: skip
         self._cue_version: str | None = None
         self._sampler: asyncio.Task | None = None
 
@@ -149,6 +154,9 @@ class RouterMetrics:
             n = len(result.token_ids)
             if e2e_s is not None and n > 1:
                 self.itl.observe(max(0.0, e2e_s - ttft_s) / (n - 1), tags=tags)
+
+    def shadow_generation(self, outcome: str) -> None:
+        self.shadow.inc(1, tags={"outcome": outcome})
 
     def cue_set_version(self, version: str) -> None:
         """The router hands off on ``version`` now (the info gauge moves to it)."""

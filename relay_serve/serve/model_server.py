@@ -195,6 +195,15 @@ class ModelServer:
             "channel": self._channel.address if self._channel is not None else None,
         }
 
+    async def score(self, request: dict[str, Any]) -> list[list[float]]:
+        """Teacher-forced scoring of a served generation (online cue calibration): the top-2
+        log-probabilities at each position of ``token_ids`` from ``start``. Counted as engine load."""
+        self.requests_in_flight += 1
+        try:
+            return await self.engine.score(list(request["token_ids"]), int(request["start"]), f"score-{uuid.uuid4().hex[:12]}")
+        finally:
+            self.requests_in_flight -= 1
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics (sampled by the replica, averaged over the
         look-back window by the controller): this replica's engine load, the segments running

@@ -8,6 +8,7 @@ fake backend.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from relay_serve.serve.generations import Generations
 from relay_serve.serve.http import RequestModel, build_api, read_request, validate
 from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.placement import node_id
+from relay_serve.serve.shadow import ShadowScorer
 from relay_serve.serve.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
 from relay_serve.serve.streaming import events
 from relay_serve.tokenizer import check_pair
@@ -49,7 +51,26 @@ class RelayRouter:
         self.cues = CueProvider(self.cfg, pair_fingerprint=pair_fingerprint(self.cfg))
         self.metrics = metrics if metrics is not None else RouterMetrics(self.cfg.name)
         self.generations = Generations(self.cfg, codec, self.backend, self.cues, self.metrics)
+        self.stats_actor = None
+        if self.cfg.cues.online.enabled and small is not None:
+            self.generations.shadow = self._shadow(codec, small)
         self.api = build_api(self)
+
+    def _shadow(self, codec, small) -> ShadowScorer:
+        """Online cue calibration: generations scored by the small deployment, margins to the
+        app's shared statistics actor."""
+        from relay_serve.serve.shadow import stats_actor
+
+        actor = self.stats_actor = stats_actor(self.cfg)
+        actor.start.remote()
+
+        async def score(token_ids: list[int], start: int) -> list[list[float]]:
+            return await small.options(method_name="score").remote({"token_ids": token_ids, "start": start})
+
+        async def sink(margins: dict[str, Any]) -> None:
+            await actor.add.remote(**margins)
+
+        return ShadowScorer(self.cfg, codec, score, sink, count=self.metrics.shadow_generation)
 
     def __serve_build_asgi_app__(self):  # noqa: N802 - Ray Serve's hook name
         return self.api
@@ -63,6 +84,9 @@ class RelayRouter:
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.stop_sampling()
+        generations = getattr(self, "generations", None)
+        if generations is not None and generations.shadow is not None:
+            generations.shadow.stop()
 
     @property
     def in_flight(self) -> int:
@@ -81,8 +105,27 @@ class RelayRouter:
         return {"object": "list", "data": [c.model_dump() for c in cards]}
 
     async def active_cues(self) -> dict[str, Any]:
+        """The active set; with online calibration, its settings, this router's scoring counts and
+        the shared statistics."""
         await self.cues.maybe_refresh()
-        return self.cues.describe()
+        described = self.cues.describe()
+        shadow = self.generations.shadow
+        if shadow is not None:
+            online = self.cfg.cues.online
+            described["online"] = {
+                **online.model_dump(include={"sample_rate", "explore_rate", "min_occurrences", "confidence", "rule", "publish_interval_s"}),
+                "this_router": {"scored": shadow.scored, "dropped": shadow.dropped, "failed": shadow.failed, "queued": shadow.queue.qsize()},
+                "shared": await self._shared_stats(),
+            }
+        return described
+
+    async def _shared_stats(self) -> dict[str, Any] | None:
+        if self.stats_actor is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.stats_actor.status.remote(), timeout=5)
+        except Exception as e:  # noqa: BLE001 - the statistics are shown when they can be
+            return {"error": f"{type(e).__name__}: {e}"}
 
     async def stats(self) -> dict[str, Any]:
         """This router replica's state: generations in flight, sessions pinned to replicas
