@@ -514,3 +514,107 @@ def cues_unpin(config: Optional[Path] = ConfigOption) -> None:
     store.unpin()
     typer.echo(f"unpinned {was}" if was else "nothing was pinned")
 
+
+@cues_app.command("converge")
+def cues_converge(
+    out: Path = typer.Option(Path("docs/online"), "--out", help="where converge.json and converge.png go"),
+    per_round: int = typer.Option(16, "--per-round", min=1, help="relay requests a round"),
+    max_rounds: int = typer.Option(30, "--max-rounds", min=1),
+    after: int = typer.Option(3, "--after", min=1, help="rounds to run once the easy cues are active"),
+    sample_rate: float = typer.Option(1.0, "--sample-rate", min=0.0, max=1.0),
+    explore_rate: float = typer.Option(0.1, "--explore-rate", min=0.0, max=1.0),
+    min_occurrences: int = typer.Option(8, "--min-occurrences", min=1),
+    publish_interval_s: float = typer.Option(2.0, "--publish-interval", min=0.1),
+    final_n: int = typer.Option(96, "--final-n", min=1, help="problems relay and large are compared on at the end"),
+) -> None:
+    """The self-calibration demonstration on the toy pair: start the embedded app with the hard cues
+    active and online calibration on, serve toy traffic round after round until the easy cues are
+    active; relay pass@1 and small-model token share against generations served, and large's pass@1."""
+    import tempfile
+
+    import ray
+    from ray import serve
+
+    from relay_serve.bench import online
+    from relay_serve.config import AppConfig
+    from relay_serve.serve.local import free_port, start
+
+    store = (Path(tempfile.mkdtemp(prefix="relay-converge-store-")) / "cues").as_uri()
+    cfg = online.online_config(AppConfig(), store, sample_rate=sample_rate, explore_rate=explore_rate,
+                               min_occurrences=min_occurrences, publish_interval_s=publish_interval_s)  # fmt: skip
+    online.publish_start_set(cfg, online.START_CUES)
+    base = start(cfg, port=free_port())
+    try:
+        import time
+
+        import httpx
+
+        while set(httpx.get(base + "/v1/relay/cues", timeout=30).json()["cues"]) != set(online.START_CUES):
+            time.sleep(0.5)
+        rounds, converged_after = online.converge(base, per_round=per_round, max_rounds=max_rounds, after=after)
+        relay, large = online.final_pass_at_1(base, n=final_n)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result = online.summarize(rounds, converged_after, relay, large, online.START_CUES, online.TARGET_CUES)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "converge.json").write_text(result.model_dump_json(indent=2))
+    online.plot(result, out / "converge.png")
+    typer.echo(f"converged after {converged_after} relay generations; relay pass@1 {rounds[0].pass_at_1:.3f} in the first round; "
+               f"on {final_n} problems after: relay {relay:.3f}, large {large:.3f}; {out / 'converge.json'}, {out / 'converge.png'}")  # fmt: skip
+    if converged_after is None:
+        raise typer.Exit(1)
+
+
+@cues_app.command("cost")
+def cues_cost(
+    rounds: int = typer.Option(3, "--rounds", min=1),
+    per_round: int = typer.Option(32, "--per-round", min=1),
+    concurrency: int = typer.Option(8, "--concurrency", min=1),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """What online calibration costs serving: relay latency at a concurrency with it off, on at its
+    default rates and on scoring every generation, three apps of the toy pair side by side."""
+    import tempfile
+
+    import ray
+    from ray import serve
+
+    from relay_serve.bench import online
+    from relay_serve.config import AppConfig, OnlineCalibration
+    from relay_serve.serve.app import build_app
+    from relay_serve.serve.local import free_port, init_ray
+
+    defaults = OnlineCalibration()
+    settings = {"off": None, "on (defaults)": (defaults.sample_rate, defaults.explore_rate), "on (every generation)": (1.0, defaults.explore_rate)}
+    init_ray(AppConfig().env_vars)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    bases, rates = {}, {}
+    try:
+        for i, (name, r) in enumerate(settings.items()):
+            cfg = AppConfig(name=f"cost{i}", route_prefix=f"/cost{i}")
+            for d in (cfg.large.deployment, cfg.small.deployment, cfg.router.deployment):
+                d.ray_actor_options["num_cpus"] = 0.5
+            if r is not None:
+                store = (Path(tempfile.mkdtemp(prefix="relay-cost-store-")) / "cues").as_uri()
+                cfg = online.online_config(cfg, store, sample_rate=r[0], explore_rate=r[1])
+            serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
+            bases[name] = f"http://127.0.0.1:{port}{cfg.route_prefix}"
+            rates[name] = r or (0.0, 0.0)
+        import time
+
+        while any(a.status != "RUNNING" for a in serve.status().applications.values()):
+            time.sleep(1)
+        rows = online.scoring_cost(bases, rates, rounds=rounds, per_round=per_round, concurrency=concurrency)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    if as_json:
+        typer.echo(json.dumps([r.model_dump() for r in rows]))
+        return
+    typer.echo(f"| setting | sample / explore rate | requests | relay p50 (s) | p90 (s) | pass@1 |  (concurrency {concurrency})")
+    typer.echo("|---|---|---|---|---|---|")
+    for r in rows:
+        typer.echo(f"| {r.setting} | {r.sample_rate} / {r.explore_rate} | {r.requests} | {r.latency_p50_s:.3f} | {r.latency_p90_s:.3f} | {r.pass_at_1:.3f} |")
+

@@ -68,6 +68,26 @@ class CueSet(BaseModel):
     provenance: Provenance = Field(default_factory=Provenance)
 
 
+def manual_cue_set(pair: ModelPair, cues: list[str], version: str | None = None) -> CueSet:
+    """A set an operator chose (no statistics behind it): ``source: manual``."""
+    import uuid
+    from datetime import timezone
+
+    now = datetime.now(timezone.utc)
+    return CueSet(
+        version=version or now.strftime("%Y%m%dT%H%M%S") + "-manual-" + uuid.uuid4().hex[:6],
+        pair=pair,
+        candidates=[],
+        overall_mean=0.0,
+        overall_count=0,
+        selected=list(cues),
+        rule=SelectionRule(),
+        data=CalibrationData(source="manual", num_prompts=0, samples_per_prompt=0, num_traces=0, num_tokens=0),
+        created_at=now,
+        provenance=Provenance(source="manual"),
+    )
+
+
 class ActiveCues(BaseModel):
     """The set a request runs with."""
 

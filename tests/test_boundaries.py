@@ -28,6 +28,8 @@ RULES = {
     "relay_serve/serve/metrics.py": ("vllm", "relay_serve.engine"),
     "relay_serve/serve/autoscaling.py": ("vllm", "ray", "relay_serve.engine"),
     "relay_serve/serve/placement.py": ("vllm", "relay_serve.engine"),
+    "relay_serve/serve/shadow.py": ("vllm", "relay_serve.engine", "fastapi"),
+    "relay_serve/serve/cue_stats.py": ("vllm", "relay_serve.engine", "fastapi"),
     "relay_serve/tokenizer.py": ("relay_serve.serve", "ray", "vllm"),
     "relay_serve/client.py": ("ray", "vllm", "relay_serve.serve"),
     "relay_serve/cues.py": ("relay_serve.store", "relay_serve.serve"),
