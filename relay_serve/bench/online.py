@@ -127,9 +127,15 @@ def plot(c: Convergence, path: Path) -> None:
     ax.axhline(c.large_pass_at_1, color="grey", linestyle="--", label=f"large pass@1 ({c.large_pass_at_1:.3f})")
     if c.converged_after is not None:
         ax.axvline(c.converged_after, color="green", linestyle=":", label=f"easy cues active ({c.converged_after} generations)")
+    previous = None
+    for r in c.rounds:  # each newly active set, written where it was first seen
+        if r.active_version != previous:
+            ax.annotate(" ".join(r.active_cues), (r.served, 0.03), xytext=(3, 0), textcoords="offset points", rotation=90,
+                        fontsize=7, color="dimgrey", ha="left", va="bottom")
+            previous = r.active_version
     ax.set_xlabel("relay generations served")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"Online cue calibration on the toy pair: from {', '.join(c.start_cues)} to {', '.join(c.target_cues)}")
+    ax.set_title(f"Online cue calibration on the toy pair: from {' '.join(c.start_cues)} to {' '.join(c.target_cues)}", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
