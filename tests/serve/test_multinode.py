@@ -62,7 +62,9 @@ def test_losing_the_small_models_node_under_load_fails_no_request(run):
     assert [r for r in during + after if r["status"] != 200] == []
     in_flight = [r for r in during if r["start"] < removed < r["end"]]
     assert in_flight, "no request was in flight when the node went"
-    assert any(r["usage"]["relay"]["degraded"] for r in in_flight)
+    # under the load, after the node went, relay degraded (a request in flight may have had no
+    # handoff left to make, or its last one may have been answered before the replica died)
+    assert any(r["usage"]["relay"]["degraded"] for r in during if r["end"] > removed)
     for r in during + after:
         assert is_correct(r["text"], run["answers"][r["prompt"]]), r["text"][-300:]
         u = r["usage"]
