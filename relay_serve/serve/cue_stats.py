@@ -132,22 +132,29 @@ class CueStatsActor:
         while True:
             await asyncio.sleep(self.online.publish_interval_s)
             try:
-                await asyncio.to_thread(self.publish_if_changed)
+                # a copy taken on the actor's loop: add() goes on changing the statistics meanwhile
+                await asyncio.to_thread(self.publish_if_changed, self.stats.model_copy(deep=True))
                 self.last_error = None
             except Exception as e:  # noqa: BLE001 - the next round tries again; status() shows it
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.warning("online cue calibration: %s", self.last_error)
 
-    def publish_if_changed(self) -> str | None:
-        """Persist the statistics; publish a re-selected set when it differs (not while pinned)."""
+    def publish_if_changed(self, stats: CueStatistics | None = None) -> str | None:
+        """Persist the statistics (``stats``: a copy of them); publish a re-selected set when it
+        differs (not while pinned)."""
+        stats = self.stats if stats is None else stats
         if self._dirty:
-            self.store.put_online_stats(self.stats.model_dump_json().encode())
-            self._dirty = False
+            self._dirty = False  # before the write: what add() brings meanwhile is written next time
+            try:
+                self.store.put_online_stats(stats.model_dump_json().encode())
+            except Exception:
+                self._dirty = True
+                raise
         if self.store.pinned() is not None:
             return None
         latest = self.store.load_latest()
         active, version = (latest.selected, latest.version) if latest is not None else (self.cfg.cues.default_cues, "default")
-        cue_set = reselect(self.stats, self.candidates, self.online, active, version, self.pair)
+        cue_set = reselect(stats, self.candidates, self.online, active, version, self.pair)
         if cue_set is None:
             return None
         self.store.publish(cue_set)
