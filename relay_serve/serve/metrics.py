@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -195,11 +194,3 @@ class RouterMetrics:
     def stop_sampling(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
-
-
-def metric_names(metrics: RouterMetrics) -> Iterable[str]:
-    """The names this module exports (for the docs' check and the dashboard's)."""
-    for value in vars(metrics).values():
-        name = getattr(value, "_name", None) or getattr(value, "name", None)
-        if isinstance(name, str):
-            yield name
