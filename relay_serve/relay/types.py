@@ -33,6 +33,36 @@ class SamplingSettings(BaseModel):
         return self.model_copy(update={"seed": (self.seed * 1_000_003 + index) % (2**31 - 1)})
 
 
+class InvalidRequest(ValueError):
+    """A request that a model's engine refuses as invalid (the client's fault, HTTP 400 naming
+    ``param``): never retried, never counted as an engine failure."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class EngineTraits(BaseModel):
+    """What the router must know of a model's engine before it sends it a request, as the model's
+    replicas report it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    speculative: str | None = Field(None, description="the engine's speculative decoding, e.g. 'draft_model k=8' (None: none)")
+    greedy_only: str | None = Field(
+        None, description="why the engine runs only greedy sampling (temperature 0) correctly; None: any sampling"
+    )
+
+    def check(self, model: ModelRole, sampling: SamplingSettings) -> None:
+        """Raise :class:`InvalidRequest` (naming ``temperature``) for sampling this engine would run wrongly."""
+        if self.greedy_only is not None and sampling.temperature > 0:
+            raise InvalidRequest(
+                f"temperature={sampling.temperature:g}: the {model} model's engine runs only greedy sampling correctly "
+                f"({self.greedy_only}); send temperature 0",
+                param="temperature",
+            )
+
+
 class SegmentRequest(BaseModel):
     """One engine request: continue ``prompt_token_ids`` until a stop string, EOS or ``max_tokens``."""
 
@@ -94,6 +124,10 @@ class Backend(ABC):
 
     def release(self, session_id: str) -> None:
         """The generation ended: forget it (give back what ``prepare`` or its requests took)."""
+
+    async def traits(self, model: ModelRole) -> EngineTraits:
+        """What ``model``'s engine can run (its replicas say); no limits when unknown."""
+        return EngineTraits()
 
     def stats(self) -> dict[str, int]:
         """Counts for ``/v1/relay/stats`` (sessions pinned to replicas, leases, connections)."""

@@ -18,10 +18,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import Backend, EngineChunk, EngineTraits, InvalidRequest, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
+
+TRAITS_TTL_S = 60.0  # a model's engine traits are asked again after this long (a rolling upgrade may change them)
+TRAITS_TIMEOUT_S = 5.0  # a deployment that does not say within this long (starting, scaled to zero) is asked again soon
 
 
 class ServeBackend(Backend):
@@ -39,7 +42,9 @@ class ServeBackend(Backend):
         in_rotation: Callable[[ModelRole, str], bool] | None = None,
         resumable: bool = True,
     ) -> None:
-        handles = {"large": large, "small": small}
+        handles = self.handles = {"large": large, "small": small}
+        self._traits: dict[str, tuple[float, EngineTraits]] = {}
+        self._traits_locks = {"large": asyncio.Lock(), "small": asyncio.Lock()}
         if transport == "direct":
             self.transport: DirectTransport | HandleTransport = DirectTransport(
                 handles,
@@ -68,6 +73,24 @@ class ServeBackend(Backend):
         if time.monotonic() < self._small_down_until:
             return self._small_down_reason
         return None
+
+    async def traits(self, model: ModelRole) -> EngineTraits:
+        """What ``model``'s engine runs correctly, as one of its replicas says (``ModelServer.info``),
+        kept for ``TRAITS_TTL_S``. A deployment that does not answer in time gives no limits for
+        now (its replicas still refuse what their engine cannot run) and is asked again in a few seconds."""
+        async with self._traits_locks[model]:
+            now = time.monotonic()
+            cached = self._traits.get(model)
+            if cached is not None and now < cached[0]:
+                return cached[1]
+            try:
+                info = await asyncio.wait_for(self.handles[model].info.remote(), TRAITS_TIMEOUT_S)
+                traits, ttl = EngineTraits.model_validate(info.get("traits") or {}), TRAITS_TTL_S
+            except Exception as e:  # noqa: BLE001 - unknown for now; the replicas keep their own guard
+                log.warning("the %s deployment did not say what its engine runs (%s: %s)", model, type(e).__name__, e)
+                traits, ttl = (cached[1] if cached is not None else EngineTraits()), TRAITS_TIMEOUT_S
+            self._traits[model] = (now + ttl, traits)
+            return traits
 
     def prepare(self, session_id: str, models: Iterable[ModelRole]) -> None:
         self.transport.prepare(session_id, [m for m in models if m != "small" or self.small_refusal() is None])
@@ -123,6 +146,8 @@ class ServeBackend(Backend):
             if model != "small":
                 raise EngineError(f"{model} deployment: no reply within {timeout_s} s") from e
             raise SmallModelUnavailable(self._small_timed_out(timeout_s)) from e
+        except InvalidRequest:
+            raise  # the request's fault: a 400, not an engine failure
         except Exception as e:  # noqa: BLE001 - the session decides whether to retry
             raise EngineError(f"{model} deployment: {type(e).__name__}: {e}") from e
         finally:

@@ -15,7 +15,8 @@ under (a segment under an ended lease is refused: Serve's admission and the API 
 gone around with a token seen once). Also ``{"op": "cancel", "id"}`` and ``{"op": "end",
 "session"}`` (a generation ended: its resumable engine request goes). Replica to client: ``{"id",
 "chunk"}`` (an EngineChunk as a mapping; a non-streamed request gets one, the whole output) or
-``{"id", "error"}``. Requests are multiplexed on one connection by id; a closed connection fails
+``{"id", "error"}`` (with ``"invalid": param`` when the engine refuses the request as invalid:
+the client's fault, never retried). Requests are multiplexed on one connection by id; a closed connection fails
 every request still open on it, and the replica aborts every engine request of a connection that
 closed. A request whose chunks the router does not read fails after ``MAX_PENDING_CHUNKS``.
 """
@@ -34,6 +35,8 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any, Protocol
 
 import msgspec
+
+from relay_serve.relay.types import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +222,9 @@ class SegmentServer:
                     await writer.drain()
         except asyncio.CancelledError:
             raise  # cancelled by the router, or its connection closed: nobody waits for a reply
+        except InvalidRequest as e:  # the request's fault: the router answers 400, no retry
+            if not writer.is_closing():
+                writer.write(pack({"id": rid, "error": e.message, "invalid": e.param or ""}))
         except Exception as e:  # noqa: BLE001 - reported to the router, which retries or fails the segment
             log.warning("segment %d failed: %s: %s", rid, type(e).__name__, e)
             if not writer.is_closing():
@@ -280,6 +286,8 @@ class Channel:
                     raise item
                 if "error" in item:
                     done = True
+                    if "invalid" in item:
+                        raise InvalidRequest(str(item["error"]), param=str(item["invalid"]) or None)
                     raise RemoteError(str(item["error"]))
                 chunk = item.get("chunk")
                 if not isinstance(chunk, dict):

@@ -15,7 +15,7 @@ from typing import Any
 from relay_serve.config import AppConfig
 from relay_serve.relay.policy import POLICY_NAMES, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
-from relay_serve.relay.types import Backend, GenerationResult, SamplingSettings
+from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, SamplingSettings
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.shadow import ShadowScorer
@@ -84,12 +84,15 @@ class Generations:
         explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
         if explored:
             cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue
+        policy = make_policy(name, self.cfg.policy, cues)
+        sampling = self._sampling(req)
+        await self._check_engines(policy, sampling, req)
         session = Session(
             backend=self.backend,
             codec=self.codec,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=self._sampling(req),
+            sampling=sampling,
             session_id=new_id("gen"),
             user_stops=req.stop_list(),
             cue_set_version=cue_version,
@@ -98,7 +101,18 @@ class Generations:
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
         session.usage.explored = explored
-        return Generation(req, session, make_policy(name, self.cfg.policy, cues), chat, name, arrived, explored)
+        return Generation(req, session, policy, chat, name, arrived, explored)
+
+    async def _check_engines(self, policy: Policy, sampling: SamplingSettings, req: AnyRequest) -> None:
+        """Refuse sampling that an engine the policy may use would run wrongly or crash on (a
+        speculative vLLM-CPU engine samples only greedily): a 400 naming the parameter, before
+        anything reaches an engine."""
+        for model in policy.models:
+            try:
+                (await self.backend.traits(model)).check(model, sampling)
+            except InvalidRequest as e:
+                default = " (the service's default sampling)" if e.param == "temperature" and req.temperature is None else ""
+                raise ClientError(e.message + default, param=e.param) from e
 
     def _cues(self, req: AnyRequest, policy: str) -> tuple[list[str], str | None]:
         """The cues of this generation and their version: the request's own ``relay_cues``
@@ -252,8 +266,10 @@ def response(g: Generation, result: GenerationResult) -> dict[str, Any]:
     return body
 
 
-def failure(e: Exception, session_id: str) -> ServerError:
+def failure(e: Exception, session_id: str) -> ClientError | ServerError:
     """What a client is told when a generation fails (HTTP status and body; in a stream, the body)."""
+    if isinstance(e, InvalidRequest):
+        return ClientError(f"an engine refused the request: {e.message}", param=e.param)
     if isinstance(e, SmallModelUnavailable):
         return ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable")
     if isinstance(e, EngineError):

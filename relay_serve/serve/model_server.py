@@ -62,6 +62,8 @@ class ModelServer:
         self.session_restarts = 0
         self.sessions: dict[str, EngineSession] = {}
         self._session_peers: dict[str, Hashable] = {}
+        # what sampling the engine runs correctly: a segment outside it never reaches the engine
+        self.traits = self.engine.info().traits
         self.resumable = self.engine.can_resume()
         self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
         self._channel: SegmentServer | None = None
@@ -71,6 +73,7 @@ class ModelServer:
     # ---- segments ------------------------------------------------------------------------------
 
     async def _run(self, req: SegmentRequest, stream: bool, peer: Hashable | None) -> AsyncIterator[EngineChunk]:
+        self.traits.check(self.role, req.sampling)  # InvalidRequest: the router refuses these before they come
         if req.resume and self.resumable:
             output = self._session(req.session_id, peer).segment(req, stream=stream)
         else:

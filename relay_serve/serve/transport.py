@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.relay.types import EngineChunk, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
 
 log = logging.getLogger(__name__)
@@ -288,6 +288,8 @@ class DirectTransport:
             body["resume"] = self.resumable and info.resumable and self.affinity
             async for data in channel.request(body, stream, info.token):
                 yield EngineChunk.model_validate(data)
+        except InvalidRequest:
+            raise  # the request's fault: the lease and its replica are fine
         except Exception as e:
             self.drop(request.session_id, request.model)  # the retry takes a new lease (a live replica)
             if info is not None and isinstance(e, (ChannelError, RemoteError)):

@@ -101,3 +101,52 @@ def test_resumable_requests_give_what_plain_requests_give():
             engine.shutdown()
 
     asyncio.run(go())
+
+
+def test_a_speculative_engine_stops_where_the_plain_engine_stops():
+    """The large model with the small one as its draft (k=8: most steps accept several tokens, so
+    a stop string usually completes inside a step's accepted tokens), greedy: every relay-like
+    segment (cue stops, then sentence stops, then to EOS) gives the plain engine's tokens, finish
+    and stop reason, its text ends with the stop string, and the engine counts its drafts."""
+    from relay_serve.config import resolve_model
+    from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.relay.text import SENTENCE_STOPS
+    from relay_serve.relay.types import SamplingSettings, SegmentRequest
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.world import ToyWorld
+
+    path = resolve_model("toy:large")
+    codec = load_codec(path)
+    cues = ["Thus,", "Wait,", "Therefore,", "Next,"]
+    spec = {"method": "draft_model", "model": resolve_model("toy:small"), "num_speculative_tokens": 8}
+
+    async def go():
+        plain = VLLMEngine(path, path, TOY_ENGINE_ARGS)
+        fast = VLLMEngine(path, path, {**TOY_ENGINE_ARGS, "speculative_config": spec})
+        segments = 0
+        try:
+            assert not fast.can_resume() and fast.info().traits.greedy_only and fast.info().traits.speculative == "draft_model k=8"
+            for i, problem in enumerate(ToyWorld().sample_heldout(6, seed=11)):
+                context = codec.encode(codec.render_chat([{"role": "user", "content": problem.prompt}]))
+                for stop in (cues, list(SENTENCE_STOPS), cues, list(SENTENCE_STOPS), []):
+                    req = SegmentRequest(model="large", prompt_token_ids=context, max_tokens=200, stop=stop, session_id="g",
+                                         word_stops=stop if stop is cues else [], sampling=SamplingSettings(temperature=0.0))  # fmt: skip
+                    a = [c async for c in plain.generate(req, f"p{i}-{len(context)}", stream=False)][-1]
+                    b = [c async for c in fast.generate(req, f"s{i}-{len(context)}", stream=True)]
+                    ids = [t for c in b for t in c.token_ids]
+                    assert (ids, b[-1].finish_reason, b[-1].stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
+                    if isinstance(a.stop_reason, str):
+                        assert codec.decode(ids).endswith(a.stop_reason)
+                    segments += 1
+                    context = context + ids
+                    if a.finish_reason != "stop" or a.stop_reason is None:
+                        break
+            counts = fast.info().spec_decode
+            assert counts is not None and counts.drafts > 0 and counts.acceptance_length() > 2
+            assert plain.info().spec_decode is None
+        finally:
+            plain.shutdown()
+            fast.shutdown()
+        return segments
+
+    assert asyncio.run(go()) >= 12
