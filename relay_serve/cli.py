@@ -154,6 +154,7 @@ class Mode(str, Enum):
     large = "large"
     small = "small"
     spec = "speculative-thinking"
+    auto = "auto"
 
 
 @app.command("eval")
@@ -205,8 +206,15 @@ def eval_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    concurrency: str = typer.Option("1,8", "--concurrency", help="comma-separated concurrency levels"),
-    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode, level and round"),
+    concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
+    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode, level and round (at least twice the level above 1)"),
+    sampling: str = typer.Option("greedy,paper", "--sampling", help="sampling profiles, each in rounds of its own: greedy, paper"),
+    spec_tokens: int = typer.Option(
+        8, "--spec-tokens", min=0, help="large+spec, relay+spec: the large engine drafts up to this many tokens with the small model (0: skip)"
+    ),
+    spec_schedule: Optional[str] = typer.Option(
+        None, "--spec-schedule", help="the draft length by the engine's batch size, FROM-TO:K,... (default: the sweep's; none: --spec-tokens always)"
+    ),
     rounds: int = typer.Option(3, "--rounds", min=1, help="every mode at every level once a round, in a rotating order"),
     dataset: str = typer.Option("toy", "--dataset", help="the prompts, graded for pass@1: toy, math500, gsm8k or jsonl:PATH"),
     config: Optional[Path] = typer.Option(
@@ -234,7 +242,7 @@ def bench_cmd(
     import time
 
     from relay_serve import envs
-    from relay_serve.bench.bench import BenchSettings, run_bench, summary_line
+    from relay_serve.bench.bench import PROFILES, BenchSettings, run_bench, summary_lines
     from relay_serve.eval.datasets import DatasetError, load_problems
 
     try:
@@ -247,9 +255,21 @@ def bench_cmd(
         load_problems(dataset, 1)
     except DatasetError as e:
         raise typer.BadParameter(str(e), param_hint="--dataset") from e
+    profiles = [p.strip() for p in sampling.split(",") if p.strip()]
+    if not profiles or any(p not in PROFILES for p in profiles):
+        raise typer.BadParameter(f"{sampling!r}: comma-separated profiles of {', '.join(PROFILES)}", param_hint="--sampling")
+    from relay_serve.bench.bench import SPEC_SCHEDULE, parse_schedule
+
+    try:
+        schedule = list(SPEC_SCHEDULE) if spec_schedule is None else parse_schedule(spec_schedule)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--spec-schedule") from e
     s = BenchSettings(
         dataset=dataset,
         concurrency=levels,
+        sampling=profiles,
+        spec_tokens=spec_tokens,
+        spec_schedule=schedule,
         requests_per_level=requests,
         rounds=rounds,
         calibrate=calibrate,
@@ -263,7 +283,8 @@ def bench_cmd(
     command = "relay-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     report = run_bench(s, folder, cfg=cfg, progress=not as_json, command=command)
     if as_json:
-        typer.echo(summary_line(report))
+        for line in summary_lines(report):
+            typer.echo(line)
     else:
         typer.echo((folder / "bench.md").read_text())
         typer.echo(f"written to {folder}")
@@ -317,6 +338,8 @@ def batch_cmd(
     fmt: OutFormat = typer.Option(OutFormat.parquet, "--format", help="results as parquet or jsonl"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="default for rows that do not set it"),
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0),
+    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
     config: Optional[Path] = typer.Option(
         None, "--config", exists=True, dir_okay=False, help="the app to use: its name is looked up, and it is started if not running"
     ),
@@ -328,8 +351,8 @@ def batch_cmd(
     cfg = _load_config(config)
 
     try:
-        s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency,
-                          format=fmt.value, max_tokens=max_tokens, temperature=temperature)  # fmt: skip
+        s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency, format=fmt.value,
+                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)  # fmt: skip
     except ValidationError as e:
         raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     try:
@@ -342,6 +365,24 @@ def batch_cmd(
     typer.echo(summary.model_dump_json(indent=2))
     if summary.malformed or summary.failed:
         typer.echo(f"{summary.malformed} malformed and {summary.failed} failed rows: see {summary.errors_file}", err=True)
+
+
+@app.command("problems")
+def problems_cmd(
+    dataset: str = typer.Option("toy", "--dataset", help="toy, math500, gsm8k or jsonl:PATH"),
+    n: int = typer.Option(256, "--n", min=1, help="problems"),
+    seed: int = typer.Option(0, "--seed", help="toy: which held-out problems"),
+) -> None:
+    """A dataset's problems as JSONL on stdout, one `{"id", "prompt", "answer"}` a line: input for
+    `relay-serve batch`, which grades results against the answers (pass@1 in its summary)."""
+    from relay_serve.eval.datasets import DatasetError, load_problems
+
+    try:
+        problems = load_problems(dataset, n, seed=seed)
+    except DatasetError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset") from e
+    for p in problems:
+        typer.echo(json.dumps({"id": p.id, "prompt": p.problem, "answer": p.answer}, ensure_ascii=False))
 
 
 class Rule(str, Enum):

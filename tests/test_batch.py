@@ -190,3 +190,41 @@ def test_batch_through_the_router_handle(relay_app, tmp_path):
     assert sum(r["small_tokens"] for r in results) > 0 and all(r["cue_set_version"] for r in results)
     again = run_batch(s, progress=False)
     assert again.skipped_done == 6 and again.written == 0
+
+
+def test_rows_with_a_gold_answer_are_graded(ray_cluster, tmp_path):
+    """A labelled batch reports pass@1: right, wrong and failed rows (a failed row counts as
+    wrong), rows without an answer left out of it."""
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [
+        json.dumps({"id": "right", "prompt": "\\boxed{42}", "answer": "42"}),
+        json.dumps({"id": "wrong", "prompt": "\\boxed{41}", "answer": 42}),
+        json.dumps({"id": "fails", "prompt": "boom", "answer": "1"}),
+        json.dumps({"id": "free", "prompt": "\\boxed{7}"}),
+    ])  # fmt: skip
+
+    async def call(body: dict[str, Any]) -> dict[str, Any]:
+        if body["messages"][-1]["content"] == "boom":
+            return {"error": {"message": "bad"}, "status": 400}
+        return fake_response(body)
+
+    s = BatchSettings(input=str(src), output=str(tmp_path / "out"), format="jsonl")
+    summary = asyncio.run(run_batch_async(s, call, progress=False))
+    by_id = {r["id"]: r for r in read_results(tmp_path / "out")}
+    assert by_id["right"]["correct"] is True and by_id["wrong"]["correct"] is False and "correct" not in by_id["free"]
+    assert summary.graded == 3 and summary.pass_at_1 == round(1 / 3, 4)
+    assert summary.output_tokens_per_s is not None and summary.output_tokens_per_s > 0
+
+
+def test_problems_command_writes_batch_input():
+    from typer.testing import CliRunner
+
+    from relay_serve.cli import app
+
+    out = CliRunner().invoke(app, ["problems", "--dataset", "toy", "--n", "3"])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in out.output.splitlines()]
+    assert len(rows) == 3 and all(set(r) == {"id", "prompt", "answer"} for r in rows)
+    from relay_serve.jobs.batch import BatchRow
+
+    assert all(BatchRow.model_validate(r).answer == r["answer"] for r in rows)

@@ -1,22 +1,25 @@
-"""``relay-serve bench``: relay against the large model alone, on a cost-realistic trained pair.
+"""``relay-serve bench``: relay against what a user would pick instead, on a cost-realistic trained pair.
 
 By default the pair is ``toy:large-wide`` (the toy large model widened: the same function, about
-ten times the small model's cost per token) and ``toy:small``. Stages:
+fifteen times the small model's cost per token) and ``toy:small``. Stages:
 
 1. **calibrate**: the calibration job selects the pair's cues and publishes them to the bench's
    own cue store (``<out>/cues``), so relay runs with the cues this pair would be served with;
-2. **serve**: the relay app, and beside it vLLM's own OpenAI server with the large model and the
-   same engine arguments (the baseline a user would pick instead);
-3. **rounds**: in each round every mode (``large``, ``relay``, ``small``, ``speculative-thinking``
-   on relay-serve; ``vllm-large`` on vLLM) runs at each concurrency on the same prompts and seeds,
-   the modes in an order that rotates from round to round; every response is graded (pass@1);
+2. **serve**: the relay app; beside it the same pair with a speculative large engine (the small
+   model as its draft model, ``spec_tokens`` a step: ``large+spec`` and ``relay+spec``), and vLLM's
+   own OpenAI server with the large model and the same engine arguments (``vllm-large``);
+3. **rounds**, for each sampling profile (``greedy``, ``paper``): in each round every mode runs at
+   each concurrency on the same prompts and seeds, the modes in an order that rotates from round
+   to round; every response is graded (pass@1); a request the service refuses (a speculative
+   vLLM-CPU engine runs greedy sampling only) is a result, counted as refused;
 4. optionally, relay on an app that differs in one setting (a new engine request per segment, the
    handle transport, a small-queue bound) deployed beside the default app, the two interleaved in
    rounds of their own;
 5. the report (``report.py``) and its files (``render.py``): ``bench.json``, ``bench.md``, plots.
 
 The engines time every engine request themselves (time to first token, decode time), so the
-ideal speedup of a round is computed from that round's own decode costs.
+ideal speedup of a round is computed from that round's own decode costs; the speculative engine's
+drafts (vLLM's spec-decode statistics) are read from its replica before and after every run.
 """
 
 from __future__ import annotations
@@ -31,24 +34,53 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
-from relay_serve.bench.report import BenchReport, PairInfo, RunMetrics, level_report, run_metrics
-from relay_serve.client import chat_body, http_client, post_chat
-from relay_serve.config import AppConfig, PaperSampling
+from relay_serve.bench.report import SPEC, BenchReport, PairInfo, RunMetrics, SpecStats, level_report, run_metrics
+from relay_serve.client import RequestFailed, chat_body, http_client, post_chat
+from relay_serve.config import AppConfig
 from relay_serve.eval.datasets import Problem
 
-MODES = ("large", "relay", "small", "speculative-thinking")
+MODES = ("large", "relay", "auto", "small", "speculative-thinking")
+SPEC_MODES = ("large", "relay", "auto")  # served by the speculative app too, as large+spec, relay+spec and auto+spec
 VLLM_MODE = "vllm-large"
+SPEC_APP = "spec"
+# The draft length by batch size on this machine's wide pair, from `python -m relay_serve.bench.spec_sweep`
+# (docs/bench/spec_sweep.md): the shortest exact k within 2% of the fastest at each measured batch size.
+SPEC_SCHEDULE: tuple[tuple[int, int, int], ...] = ((1, 31, 8), (32, 1 << 16, 2))
 
 
-class BenchSettings(PaperSampling):
+class SamplingProfile(BaseModel):
+    temperature: float
+    top_p: float | None = None
+    top_k: int | None = None
+
+
+# greedy: what a speculative vLLM-CPU engine runs correctly; paper: the RelayGen paper's (and eval's)
+PROFILES = {
+    "greedy": SamplingProfile(temperature=0.0),
+    "paper": SamplingProfile(temperature=0.6, top_p=0.95, top_k=20),
+}
+
+
+class BenchSettings(BaseModel):
     dataset: str = Field("toy", description="the prompts (graded for pass@1): toy, math500, gsm8k or jsonl:PATH")
-    concurrency: list[int] = Field(default_factory=lambda: [1, 8])
-    requests_per_level: int = Field(32, ge=1, description="requests per mode, concurrency and round (at least the concurrency)")
+    concurrency: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    requests_per_level: int = Field(
+        32, ge=1, description="requests per mode, concurrency and round (at least twice the concurrency above 1)"
+    )
     rounds: int = Field(3, ge=1, description="every mode at every concurrency once a round")
+    sampling: list[str] = Field(default_factory=lambda: ["greedy", "paper"], description="sampling profiles, each a set of rounds")
     seed: int = 0
     max_tokens: int = 256
+    spec_tokens: int = Field(
+        8, ge=0, description="large+spec and relay+spec: an app whose large engine drafts up to this many tokens with the small model (0: none)"
+    )
+    spec_schedule: list[tuple[int, int, int]] | None = Field(
+        default_factory=lambda: list(SPEC_SCHEDULE),
+        description="the draft length by the engine's batch size: (from, to, k) ranges (vLLM's num_speculative_tokens_per_batch_size); "
+        "None: spec_tokens at every batch size",
+    )
     calibrate: bool = Field(True, description="calibrate the pair's cues first (into the bench's own cue store)")
     vllm_baseline: bool = Field(True, description="also run the large model on vLLM's own OpenAI server")
     small_queue_bound: int | None = Field(
@@ -59,22 +91,72 @@ class BenchSettings(PaperSampling):
         False, description="also run relay with router.resumable_requests: false (a new engine request per segment)"
     )
 
+    @field_validator("sampling")
+    @classmethod
+    def _profiles(cls, v: list[str]) -> list[str]:
+        unknown = [p for p in v if p not in PROFILES]
+        if unknown or not v:
+            raise ValueError(f"sampling profiles are {', '.join(PROFILES)}; not {', '.join(unknown) or 'none'}")
+        return list(dict.fromkeys(v))
+
+    def requests(self, concurrency: int) -> int:
+        """Requests a run sends: at least two waves at a concurrency above 1 (a steady state, not one burst)."""
+        return max(self.requests_per_level, concurrency if concurrency == 1 else 2 * concurrency)
+
 
 def default_pair() -> AppConfig:
     """The benchmark's pair: ``configs/toy-wide-cpu.yaml``."""
     return AppConfig.model_validate({"large": {"model": "toy:large-wide"}})
 
 
+def spec_app(cfg: AppConfig, k: int, schedule: list[tuple[int, int, int]] | None = None) -> AppConfig:
+    """The same app with a large engine that speculates with the small model as its draft model
+    (up to ``k`` tokens a step; by ``schedule`` at each batch size), served beside it under ``/spec``."""
+    spec = cfg.model_copy(deep=True, update={"name": SPEC_APP, "route_prefix": f"/{SPEC_APP}"})
+    draft: dict[str, Any] = {"method": "draft_model", "model": cfg.small.model_path, "num_speculative_tokens": k}
+    if schedule:
+        draft["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
+    spec.large.engine_args = {**spec.large.engine_args, "speculative_config": draft}
+    return spec
+
+
+def parse_schedule(text: str) -> list[tuple[int, int, int]] | None:
+    """``"1-31:8,32-63:4,64-:0"`` (from-to batch sizes: draft length; an open end reaches any
+    batch) as vLLM's schedule; ``"none"``: one draft length at every batch size."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    out = []
+    for part in text.split(","):
+        try:
+            sizes, k = part.split(":")
+            lo, _, hi = sizes.partition("-")
+            out.append((int(lo), int(hi) if hi else 1 << 16, int(k)))
+        except ValueError:
+            raise ValueError(f"{part!r}: FROM-TO:K, e.g. 1-31:8 (TO may be left out on the last)") from None
+    if out[0][0] != 1 or any(lo > hi or k < 0 for lo, hi, k in out):
+        raise ValueError(f"{text!r}: ranges from batch size 1 on, each FROM <= TO, K >= 0")
+    return out
+
+
 # ---- requests ------------------------------------------------------------------------------------
 
 
-def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem], round_: int = 0) -> list[dict[str, Any]]:
+class Target(BaseModel):
+    """Where a mode is served: the base URL, the model id, and the Serve app (None: not relay-serve)."""
+
+    base: str
+    model: str
+    app: str | None = None
+
+
+def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem], round_: int = 0, sampling: str = "paper") -> list[dict[str, Any]]:
     """One request per problem; the seeds are the same for every mode of a round and differ
     between rounds (so pass@1 counts every round's samples)."""
     relay_serve = mode != VLLM_MODE
+    profile = PROFILES[sampling]
     return [
         chat_body(
-            model, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            model, p.problem, max_tokens=s.max_tokens, temperature=profile.temperature, top_p=profile.top_p, top_k=profile.top_k,
             seed=s.seed + 1000 * round_ + i, relay_trace=True if relay_serve else None,
         )
         for i, p in enumerate(problems)
@@ -83,7 +165,7 @@ def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem], ro
 
 async def fire(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[list[dict[str, Any]], float]:
     """Send ``bodies`` with ``concurrency`` in flight; each result is the response with
-    ``_latency_s``, or ``{"_error": ...}``. Returns the results in order and the wall time."""
+    ``_latency_s``, or ``{"_error": ..., "_status": ...}``. Returns the results in order and the wall time."""
     sem = asyncio.Semaphore(concurrency)
     async with http_client(600) as client:
 
@@ -92,8 +174,10 @@ async def fire(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
                 t0 = time.perf_counter()
                 try:
                     out = await post_chat(client, base, body)
-                except Exception as e:  # noqa: BLE001 - a failed request is a result (it counts as wrong)
-                    return {"_error": f"{type(e).__name__}: {e}"}
+                except RequestFailed as e:  # a failed request is a result (it counts as wrong)
+                    return {"_error": str(e), "_status": e.status}
+                except Exception as e:  # noqa: BLE001 - the same, without an HTTP status
+                    return {"_error": f"{type(e).__name__}: {e}", "_status": None}
                 out["_latency_s"] = time.perf_counter() - t0
                 return out
 
@@ -111,11 +195,32 @@ def graded(results: list[dict[str, Any]], problems: list[Problem]) -> list[dict[
     return results
 
 
-def measure(base: str, model: str, mode: str, s: BenchSettings, problems: list[Problem], c: int, round_: int) -> RunMetrics:
-    n = max(c, s.requests_per_level)
+def spec_counts(app: str | None):
+    """The speculative drafts of ``app``'s large engine so far (None: not a speculative engine)."""
+    if app is None:
+        return None
+    from ray import serve
+
+    from relay_serve.engine.base import SpecDecodeCounts
+
+    info = serve.get_deployment_handle("large", app_name=app).info.remote().result(timeout_s=60)
+    return SpecDecodeCounts.model_validate(info["spec_decode"]) if info.get("spec_decode") else None
+
+
+def measure(target: Target, mode: str, s: BenchSettings, problems: list[Problem], c: int, round_: int, sampling: str = "paper") -> RunMetrics:
+    n = s.requests(c)
     chosen = [problems[i % len(problems)] for i in range(n)]
-    results, wall = asyncio.run(fire(base, _bodies(s, mode, model, chosen, round_), c))
-    return run_metrics(mode, c, round_, graded(results, chosen), wall)
+    before = spec_counts(target.app)
+    results, wall = asyncio.run(fire(target.base, _bodies(s, mode, target.model, chosen, round_, sampling), c))
+    m = run_metrics(mode, c, round_, graded(results, chosen), wall, sampling=sampling)
+    if before is not None:
+        d = spec_counts(target.app) - before
+        m.spec = SpecStats(drafts=d.drafts, acceptance_length=_r(d.acceptance_length()), acceptance_rate=_r(d.acceptance_rate()))
+    return m
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 # ---- stages --------------------------------------------------------------------------------------
@@ -149,42 +254,53 @@ def variants(s: BenchSettings) -> list[Variant]:
 
 
 @contextlib.contextmanager
-def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[dict[str, tuple[str, str]]]:
-    """Each mode's (base URL, model id): the relay app started here on ``port`` (Serve's one HTTP
-    port), and vLLM's server."""
+def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[dict[str, Target]]:
+    """Each mode's target: the relay app started here on ``port`` (Serve's one HTTP port), beside
+    it the same pair with a speculative large engine under ``/spec`` (``large+spec``,
+    ``relay+spec``), and vLLM's own server."""
     from ray import serve
 
     from relay_serve.bench.vllm_baseline import VLLMServer
     from relay_serve.serve.local import free_port, start
 
     base = start(cfg, port=port)
-    found = {mode: (base, mode) for mode in MODES}
+    found = {mode: Target(base=base, model=mode) for mode in MODES}
+    apps = [cfg.name]
     try:
+        if s.spec_tokens:
+            spec = spec_app(cfg, s.spec_tokens, s.spec_schedule)
+            apps.append(spec.name)
+            spec_base = start(spec, port=port)
+            found.update({mode + SPEC: Target(base=spec_base, model=mode, app=spec.name) for mode in SPEC_MODES})
         if s.vllm_baseline:
             with VLLMServer(cfg.large, port=free_port(), log=out / "vllm-serve.log") as vllm:
-                found[VLLM_MODE] = (vllm.base, vllm.served_name)
+                found[VLLM_MODE] = Target(base=vllm.base, model=vllm.served_name)
                 yield found
         else:
             yield found
     finally:
-        serve.delete(cfg.name)
+        for app in apps:
+            serve.delete(app)
 
 
-def rounds(found: dict[str, tuple[str, str]], s: BenchSettings, problems: list[Problem], progress: bool, desc: str = "bench") -> list[RunMetrics]:
-    """Every mode at every concurrency, ``s.rounds`` times; the order of the modes rotates."""
+def rounds(
+    found: dict[str, Target], s: BenchSettings, problems: list[Problem], progress: bool, desc: str = "bench", sampling: str = "paper"
+) -> list[RunMetrics]:
+    """Every mode at every concurrency, ``s.rounds`` times; the order of the modes rotates. A
+    mode whose warm-up fails (its engine cannot run this sampling) runs anyway: its refusals are
+    results."""
     from tqdm import tqdm
 
     modes = list(found)
-    for mode, (base, model) in found.items():  # warm up every engine and the prefix caches' empty state
-        asyncio.run(fire(base, _bodies(s, mode, model, problems[:4]), 4))
+    for mode, t in found.items():  # warm up every engine and the prefix caches' empty state
+        asyncio.run(fire(t.base, _bodies(s, mode, t.model, problems[:4], sampling=sampling), 4))
     runs = []
-    with tqdm(total=s.rounds * len(s.concurrency) * len(modes), desc=desc, disable=not progress) as bar:
+    with tqdm(total=s.rounds * len(s.concurrency) * len(modes), desc=f"{desc} ({sampling})", disable=not progress) as bar:
         for k in range(s.rounds):
             order = modes[k % len(modes) :] + modes[: k % len(modes)]
             for c in s.concurrency:
                 for mode in order:
-                    base, model = found[mode]
-                    runs.append(measure(base, model, mode, s, problems, c, k))
+                    runs.append(measure(found[mode], mode, s, problems, c, k, sampling))
                     bar.update(1)
     return runs
 
@@ -203,8 +319,9 @@ def variant_rounds(cfg: AppConfig, s: BenchSettings, problems: list[Problem], po
         for v in variants(s):
             variant = cfg.model_copy(deep=True, update={"name": v.mode, "route_prefix": f"/{v.mode}"})
             variant.router = variant.router.model_copy(update=v.router)
-            pair = {f"relay-beside-{v.mode}": (base, "relay"), v.mode: (start(variant, port=port), "relay")}
-            runs += rounds(pair, s, problems, progress, desc=v.mode)
+            pair = {f"relay-beside-{v.mode}": Target(base=base, model="relay"), v.mode: Target(base=start(variant, port=port), model="relay")}
+            for sampling in s.sampling:
+                runs += rounds(pair, s, problems, progress, desc=v.mode, sampling=sampling)
             serve.delete(variant.name)
     finally:
         serve.delete(cfg.name)
@@ -228,7 +345,7 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")
     cfg = (cfg or default_pair()).model_copy(deep=True)
-    problems = load_problems(s.dataset, max(max(s.concurrency), s.requests_per_level), seed=s.seed)
+    problems = load_problems(s.dataset, max(s.requests(c) for c in s.concurrency), seed=s.seed)
     init_ray(cfg.env_vars)
     port = free_port()
     try:
@@ -236,8 +353,8 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
             cfg.cues.store_uri = (out / "cues").absolute().as_uri()
             calibrate(cfg, out, progress)
         with targets(cfg, s, out, port) as found:
-            cues = httpx.get(found["relay"][0] + "/v1/relay/cues", headers=api_headers(), timeout=30).json()
-            runs = rounds(found, s, problems, progress)
+            cues = httpx.get(found["relay"].base + "/v1/relay/cues", headers=api_headers(), timeout=30).json()
+            runs = [run for sampling in s.sampling for run in rounds(found, s, problems, progress, sampling=sampling)]
         if variants(s):
             runs += variant_rounds(cfg, s, problems, port, progress)
     finally:
@@ -249,7 +366,9 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
         command=command,
         settings=s.model_dump(),
         pair=PairInfo(large=cfg.large.model, small=cfg.small.model, cue_set_version=cues.get("version"), cues=cues.get("cues", [])),
-        levels=[level_report(c, [r for r in runs if r.concurrency == c]) for c in s.concurrency],
+        levels=[
+            level_report(c, [r for r in runs if r.concurrency == c and r.sampling == p]) for p in s.sampling for c in s.concurrency
+        ],
         runs=runs,
         variants={v.mode: v.label for v in variants(s)},
     )
@@ -259,5 +378,6 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
     return report
 
 
-def summary_line(report: BenchReport) -> str:
-    return json.dumps(report.summary())
+def summary_lines(report: BenchReport) -> list[str]:
+    """One JSON line per sampling profile (the last lines of ``relay-serve bench --json``)."""
+    return [json.dumps(summary) for summary in report.summaries()]

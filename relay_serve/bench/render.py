@@ -1,18 +1,49 @@
-"""The benchmark report as markdown tables and PNG plots."""
+"""The benchmark report as markdown tables and PNG plots. A mode that failed or was refused is
+reported as such and left out of the plots; nothing here assumes every mode ran."""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
-from relay_serve.bench.report import RATIO_LIMIT, BenchReport, Spread
+from relay_serve.bench.report import RATIO_LIMIT, BenchReport, LevelReport, Spread
 
-MODE_ORDER = ("large", "vllm-large", "relay", "small", "speculative-thinking")
+MODE_ORDER = ("large", "large+spec", "vllm-large", "relay", "relay+spec", "auto", "auto+spec", "small", "speculative-thinking")
+PROFILE_TEXT = {"greedy": "greedy (temperature 0)", "paper": "the paper's (temperature 0.6, top_p 0.95, top_k 20)"}
 
 
-def _ratio_text(lv) -> str:
-    text = lv.achieved_over_ideal.text()
-    return f"{text} (above {RATIO_LIMIT}: a measurement error, not a result)" if lv.measurement_error else text
+def _ordered(modes) -> list[str]:
+    modes = set(modes)
+    known = [m for m in MODE_ORDER if m in modes]
+    return known + sorted(m for m in modes if m not in MODE_ORDER)
+
+
+def _ratio_text(s) -> str:
+    text = s.achieved_over_ideal.text()
+    return f"{text} (above {RATIO_LIMIT}: a measurement error, not a result)" if s.measurement_error else text
+
+
+def _cell(lv: LevelReport, mode: str) -> str:
+    """p50 / tok/s / pass@1 of a mode at a level, or why it has none."""
+    s = lv.modes.get(mode)
+    if s is None:
+        return "-"
+    if not s.served:
+        return "refused" if s.refused == s.errors and s.errors else "failed"
+    return f"{s.latency_p50_s.median:.3f} s / {s.output_tokens_per_s.median:g} / {s.pass_at_1:.3f}"
+
+
+def matrix(report: BenchReport, sampling: str) -> list[str]:
+    """Every mode at every level of one profile: the cell a reader chooses by, and the winner."""
+    levels = [lv for lv in report.levels if lv.sampling == sampling]
+    modes = _ordered({m for lv in levels for m in lv.modes if m in MODE_ORDER})
+    lines = [
+        "| concurrency | " + " | ".join(modes) + " | fastest (p50, pass@1 within 0.03 of the best) |",
+        "|---|" + "---|" * len(modes) + "---|",
+    ]
+    for lv in levels:
+        lines.append(f"| {lv.concurrency} | " + " | ".join(_cell(lv, m) for m in modes) + f" | {lv.best([m for m in modes]) or '-'} |")
+    return lines
 
 
 def markdown(report: BenchReport) -> str:
@@ -23,69 +54,100 @@ def markdown(report: BenchReport) -> str:
         "",
         f"Pair: large `{r.pair.large}`, small `{r.pair.small}`; cue set {r.pair.cue_set_version} {r.pair.cues}. "
         f"{rounds} rounds; each round runs every mode on the same prompts and seeds, the modes in a rotating order. "
-        "Figures are the median over the rounds, [min-max] beside it.",
-        "",
-        "Speed (time per output token; ideal = relay's tokens at their models' in-engine decode cost in the same run):",
-        "",
-        "| concurrency | speedup of relay over large | ideal | achieved / ideal | large / small decode cost | relay p50 (s) | large p50 (s) | vLLM serve large p50 (s) | relay pass@1 | large pass@1 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Figures are the median over the rounds, [min-max] beside it. `+spec`: the same pair with a large engine that "
+        f"speculates with the small model as its draft model ({r.settings.get('spec_tokens')} tokens a step).",
     ]
-    for lv in r.levels:
-        p50 = {m: s.latency_p50_s.text() for m, s in lv.modes.items()}
-        p1 = {m: f"{s.pass_at_1:.3f}" for m, s in lv.modes.items()}
-        lines.append(
-            f"| {lv.concurrency} | {lv.speedup.text()} | {lv.ideal.text()} | {_ratio_text(lv)} | {lv.cost_ratio.text()} | "
-            f"{p50.get('relay', '-')} | {p50.get('large', '-')} | {p50.get('vllm-large', '-')} | {p1.get('relay', '-')} | {p1.get('large', '-')} |"
-        )
+    for sampling in r.profiles():
+        lines += ["", f"## Sampling: {PROFILE_TEXT.get(sampling, sampling)}", "", "Each cell: p50 latency / output tok/s / pass@1.", ""]
+        lines += matrix(r, sampling)
+        lines += ["", *_speedups(r, sampling)]
     lines += [
         "",
         "Every mode:",
         "",
-        "| mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | pass@1 | small share | switches/req | false stops/req | pauses/req | cached prompt ratio | router overhead/switch p50 (ms) | decode ms/token (large, small) | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sampling | mode | concurrency | p50 latency (s) | p90 latency (s) | output tok/s | pass@1 | small share | switches/req | "
+        "spec acceptance length | spec acceptance rate | false stops/req | pauses/req | cached prompt ratio | "
+        "router overhead/switch p50 (ms) | decode ms/token (large, small) | failed (refused) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in r.levels:
-        for mode in sorted((m for m in lv.modes if m in MODE_ORDER), key=MODE_ORDER.index):
+        for mode in _ordered(m for m in lv.modes if m in MODE_ORDER):
             s = lv.modes[mode]
             dec = ", ".join(s.decode_ms_per_token[m].text() if m in s.decode_ms_per_token else "-" for m in ("large", "small"))
             lines.append(
-                f"| {mode} | {lv.concurrency} | {s.latency_p50_s.text()} | {s.latency_p90_s.text()} | {s.output_tokens_per_s.text()} | "
-                f"{s.pass_at_1:.3f} | {s.small_token_share.text()} | {s.switches_per_request.text()} | {s.false_stops_per_request.text()} | "
-                f"{s.pauses_per_request.text()} | "
-                f"{s.cached_prompt_token_ratio.text()} | {s.router_overhead_per_switch_ms_p50.text()} | {dec} | {s.errors} |"
+                f"| {lv.sampling} | {mode} | {lv.concurrency} | {s.latency_p50_s.text()} | {s.latency_p90_s.text()} | "
+                f"{s.output_tokens_per_s.text()} | {s.pass_at_1:.3f} | {s.small_token_share.text()} | {s.switches_per_request.text()} | "
+                f"{s.spec_acceptance_length.text()} | {s.spec_acceptance_rate.text()} | {s.false_stops_per_request.text()} | "
+                f"{s.pauses_per_request.text()} | {s.cached_prompt_token_ratio.text()} | {s.router_overhead_per_switch_ms_p50.text()} | "
+                f"{dec} | {s.errors} ({s.refused}) |"
             )
     errors = [run for run in r.runs if run.errors]
     if errors:
-        lines += ["", "Failed requests (the first error of each run):", ""]
-        lines += [f"- {run.mode} at concurrency {run.concurrency}, round {run.round}: {run.errors} failed; {run.first_error}" for run in errors]
+        lines += ["", "Failed or refused requests (the first error of each mode):", ""]
+        seen = set()
+        for run in errors:
+            key = (run.sampling, run.mode)
+            if key not in seen:
+                seen.add(key)
+                n = sum(x.errors for x in errors if (x.sampling, x.mode) == key)
+                lines.append(f"- {run.mode}, {run.sampling} sampling: {n} failed in all; {run.first_error}")
     lines += [
         "",
         "Where a relay request's time goes (ms, mean a request): its tokens at their models' decode cost, the rest of the time "
         "inside the engines (handoffs: prefill of the other model's tokens, waiting for a first token), the router, and outside "
         "the router (HTTP, Serve's proxy):",
         "",
-        "| concurrency | decode | handoffs | router | outside the router |",
-        "|---|---|---|---|---|",
+        "| sampling | concurrency | decode | handoffs | router | outside the router |",
+        "|---|---|---|---|---|---|",
     ]
     for lv in r.levels:
         sp = lv.relay_split_ms
         if sp:
-            lines.append(f"| {lv.concurrency} | {sp['decode'].text()} | {sp['handoffs'].text()} | {sp['router'].text()} | {sp['outside'].text()} |")
+            lines.append(
+                f"| {lv.sampling} | {lv.concurrency} | {sp['decode'].text()} | {sp['handoffs'].text()} | {sp['router'].text()} | "
+                f"{sp['outside'].text()} |"
+            )
     lines += [
         "",
         "What a handoff costs inside the engine (relay, the median round): segments after a generation's first, their time to "
         "first token against a decode step of the same model, and the prompt tokens they computed again (not served from the "
         "prefix cache):",
         "",
-        "| concurrency | model | resumed segments/req | time to first token (ms) | decode step (ms) | recomputed tokens/segment |",
-        "|---|---|---|---|---|---|",
+        "| sampling | concurrency | model | resumed segments/req | time to first token (ms) | decode step (ms) | recomputed tokens/segment |",
+        "|---|---|---|---|---|---|---|",
     ]
     for lv in r.levels:
         for model, h in lv.relay_handoff.items():
-            lines.append(f"| {lv.concurrency} | {model} | {h.resumed_per_request} | {h.ttft_ms} | {h.decode_ms} | {h.recomputed_tokens} |")
+            lines.append(
+                f"| {lv.sampling} | {lv.concurrency} | {model} | {h.resumed_per_request} | {h.ttft_ms} | {h.decode_ms} | {h.recomputed_tokens} |"
+            )
     if r.variants:
         lines += ["", *_variants(r)]
     return "\n".join(lines) + "\n"
+
+
+def _speedups(r: BenchReport, sampling: str) -> list[str]:
+    lines = [
+        "Relay against the single model on the same engines (time per output token; ideal: the relay mode's tokens at their "
+        "models' in-engine decode cost in the same run):",
+        "",
+        "| concurrency | relay mode | over | speedup | ideal | achieved / ideal | large / small decode cost |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    found = False
+    for lv in (lv for lv in r.levels if lv.sampling == sampling):
+        for mode, s in lv.speedups.items():
+            if s.speedup.median is not None:
+                found = True
+                lines.append(
+                    f"| {lv.concurrency} | {mode} | {s.over} | {s.speedup.text()} | {s.ideal.text()} | {_ratio_text(s)} | {lv.cost_ratio.text()} |"
+                )
+    if not found:
+        lines.append("| - | (no relay mode and its single-model mode both served) | | | | | |")
+    same = [(lv.concurrency, k, v) for lv in r.levels if lv.sampling == sampling for k, v in lv.same_text.items()]
+    if same:
+        lines += ["", "Identical text (greedy, same prompts and seeds): " + "; ".join(f"{k} at {c}: {v:.3f}" for c, k, v in same) + "."]
+    return lines
 
 
 def _variants(r: BenchReport) -> list[str]:
@@ -93,8 +155,9 @@ def _variants(r: BenchReport) -> list[str]:
     lines = [
         "relay against an app that differs in one setting, deployed beside it, the two interleaved in rounds of their own:",
         "",
-        "| relay with | concurrency | p50 latency (s) | output tok/s | handoffs (ms/req) | pauses/req | false stops/req | router overhead/switch p50 (ms) | handoffs kept on large/req | small share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| relay with | sampling | concurrency | p50 latency (s) | output tok/s | handoffs (ms/req) | pauses/req | false stops/req | "
+        "router overhead/switch p50 (ms) | handoffs kept on large/req | small share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, label in r.variants.items():
         for lv in r.levels:
@@ -102,91 +165,103 @@ def _variants(r: BenchReport) -> list[str]:
                 m = lv.modes.get(key)
                 if m is not None:
                     lines.append(
-                        f"| {name} | {lv.concurrency} | {m.latency_p50_s.text()} | {m.output_tokens_per_s.text()} | {m.handoffs_ms.text()} | "
-                        f"{m.pauses_per_request.text()} | {m.false_stops_per_request.text()} | {m.router_overhead_per_switch_ms_p50.text()} | "
-                        f"{m.kept_on_large_per_request.text()} | {m.small_token_share.text()} |"
+                        f"| {name} | {lv.sampling} | {lv.concurrency} | {m.latency_p50_s.text()} | {m.output_tokens_per_s.text()} | "
+                        f"{m.handoffs_ms.text()} | {m.pauses_per_request.text()} | {m.false_stops_per_request.text()} | "
+                        f"{m.router_overhead_per_switch_ms_p50.text()} | {m.kept_on_large_per_request.text()} | {m.small_token_share.text()} |"
                     )
     return lines
 
 
+def _err(spreads: list[Spread]) -> list[list[float]]:
+    med = [s.median or 0.0 for s in spreads]
+    lo = [m - (s.min if s.min is not None else m) for m, s in zip(med, spreads)]
+    hi = [(s.max if s.max is not None else m) - m for m, s in zip(med, spreads)]
+    return [lo, hi]
+
+
 def plots(report: BenchReport, out: Path) -> list[Path]:
+    """``speedup.png`` (each relay mode against its single-model mode, every profile and level),
+    ``modes-<profile>.png`` (p50 latency and throughput against concurrency, a line a mode that
+    served) and ``relay_time_split-<profile>.png``; each only when it has something to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    levels = report.levels
-    labels = [f"c={lv.concurrency}" for lv in levels]
-    x = list(range(len(levels)))
-
-    def bars(ax, offset: float, spreads: list[Spread], label: str) -> None:
-        med = [s.median or 0.0 for s in spreads]
-        err = [[m - (s.min if s.min is not None else m) for m, s in zip(med, spreads)], [(s.max if s.max is not None else m) - m for m, s in zip(med, spreads)]]
-        ax.bar([i + offset for i in x], med, width=0.35, yerr=err, capsize=4, label=label)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bars(ax, -0.18, [lv.ideal for lv in levels], "ideal (in-engine decode costs)")
-    bars(ax, 0.18, [lv.speedup for lv in levels], "achieved")
-    for i, lv in zip(x, levels):
-        if lv.achieved_over_ideal.median is not None:
-            top = lv.speedup.max if lv.speedup.max is not None else lv.speedup.median or 0.0
-            ax.text(i + 0.18, top + 0.02, f"{lv.achieved_over_ideal.median:.2f} of ideal", ha="center", va="bottom", fontsize=8)
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("relay speedup over large (time per token)")
-    ax.set_title(f"relay against large, {report.pair.large} + {report.pair.small}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8.5, 4))
-    modes = [m for m in MODE_ORDER if all(m in lv.modes for lv in levels)]
-    width = 0.8 / max(1, len(modes))
-    for j, mode in enumerate(modes):
-        spreads = [lv.modes[mode].latency_p50_s for lv in levels]
-        med = [s.median or 0.0 for s in spreads]
-        err = [[m - s.min for m, s in zip(med, spreads)], [s.max - m for m, s in zip(med, spreads)]]
-        xs = [i - 0.4 + width * (j + 0.5) for i in x]
-        ax.bar(xs, med, width=width, yerr=err, capsize=3, label=mode)
-        for xi, lv, s in zip(xs, levels, spreads):
-            quality = lv.modes[mode].pass_at_1
-            if quality is not None:
-                ax.text(xi, s.max or 0.0, f"{quality:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, labels)
-    ax.set_ylabel("p50 latency (s), min-max over rounds")
-    ax.set_title("latency per mode (pass@1 above each bar)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    splits = [lv.relay_split_ms for lv in levels]
-    if all(splits):
-        fig, ax = plt.subplots(figsize=(8.5, 4))
-        bottom = [0.0] * len(levels)
-        for key, label in (("decode", "decode steps"), ("handoffs", "handoffs (in the engines)"), ("router", "router"), ("outside", "outside the router")):
-            values = [sp[key].median or 0.0 for sp in splits]
-            ax.bar(x, values, bottom=bottom, width=0.5, label=label)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        # The split is a mean over requests: the large model's mean latency is its yardstick.
-        large = [_median_mean_latency_ms(report, "large", lv.concurrency) for lv in levels]
-        if all(v is not None for v in large):
-            ax.hlines(large, [i - 0.3 for i in x], [i + 0.3 for i in x], colors="black", linewidth=2, label="large alone (mean)", zorder=3)
-        ax.set_xticks(x, labels)
-        ax.set_ylabel("ms per request (mean, median round)")
-        ax.set_title("where a relay request's time goes")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    paths: list[Path] = []
+    bars = [(lv, mode, s) for lv in report.levels for mode, s in lv.speedups.items() if s.speedup.median is not None]
+    if bars:
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(bars) + 2), 4))
+        x = list(range(len(bars)))
+        ax.bar([i - 0.18 for i in x], [s.ideal.median or 0.0 for _, _, s in bars], width=0.35, yerr=_err([s.ideal for _, _, s in bars]),
+               capsize=4, label="ideal (in-engine decode costs)")  # fmt: skip
+        ax.bar([i + 0.18 for i in x], [s.speedup.median or 0.0 for _, _, s in bars], width=0.35, yerr=_err([s.speedup for _, _, s in bars]),
+               capsize=4, label="achieved")  # fmt: skip
+        for i, (_, _, s) in zip(x, bars):
+            if s.achieved_over_ideal.median is not None:
+                ax.text(i + 0.18, (s.speedup.max or s.speedup.median or 0.0) + 0.02, f"{s.achieved_over_ideal.median:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(x, [f"{mode}/{s.over}\n{lv.sampling} c={lv.concurrency}" for lv, mode, s in bars], fontsize=7)
+        ax.set_ylabel("speedup (time per token), of ideal above")
+        ax.set_title(f"relay against the large model on the same engines, {report.pair.large} + {report.pair.small}", fontsize=9)
+        ax.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(out / "relay_time_split.png")
+        paths.append(out / "speedup.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
+
+    for sampling in report.profiles():
+        levels = [lv for lv in report.levels if lv.sampling == sampling]
+        modes = [m for m in _ordered({m for lv in levels for m in lv.modes if m in MODE_ORDER}) if any(lv.modes[m].served for lv in levels if m in lv.modes)]
+        if modes:
+            fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+            for mode in modes:
+                pts = [(lv.concurrency, lv.modes[mode]) for lv in levels if mode in lv.modes and lv.modes[mode].served]
+                cs = [c for c, _ in pts]
+                left.plot(cs, [s.latency_p50_s.median for _, s in pts], marker="o", label=f"{mode} (pass@1 {statistics.fmean(s.pass_at_1 for _, s in pts):.2f})")
+                right.plot(cs, [s.output_tokens_per_s.median for _, s in pts], marker="o", label=mode)
+            right.set_yscale("log")  # the small model alone writes several times faster than the rest
+            for ax, label in ((left, "p50 latency (s)"), (right, "output tokens/s (log scale)")):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks([lv.concurrency for lv in levels], [str(lv.concurrency) for lv in levels])
+                ax.set_xlabel("concurrent requests")
+                ax.set_ylabel(label)
+                ax.grid(alpha=0.3)
+            left.legend(fontsize=7)
+            fig.suptitle(f"every mode, {PROFILE_TEXT.get(sampling, sampling)} sampling (refused or failed modes left out)", fontsize=9)
+            fig.tight_layout()
+            paths.append(out / f"modes-{sampling}.png")
+            fig.savefig(paths[-1], dpi=120)
+            plt.close(fig)
+
+        split_levels = [lv for lv in levels if lv.relay_split_ms]
+        if split_levels:
+            fig, ax = plt.subplots(figsize=(8.5, 4))
+            x = list(range(len(split_levels)))
+            bottom = [0.0] * len(split_levels)
+            for key, label in (("decode", "decode steps"), ("handoffs", "handoffs (in the engines)"), ("router", "router"), ("outside", "outside the router")):
+                values = [lv.relay_split_ms[key].median or 0.0 for lv in split_levels]
+                ax.bar(x, values, bottom=bottom, width=0.5, label=label)
+                bottom = [b + v for b, v in zip(bottom, values)]
+            # The split is a mean over requests: the large model's mean latency is its yardstick.
+            large = [_median_mean_latency_ms(report, "large", lv.concurrency, sampling) for lv in split_levels]
+            if all(v is not None for v in large):
+                ax.hlines(large, [i - 0.3 for i in x], [i + 0.3 for i in x], colors="black", linewidth=2, label="large alone (mean)", zorder=3)
+            ax.set_xticks(x, [f"c={lv.concurrency}" for lv in split_levels])
+            ax.set_ylabel("ms per request (mean, median round)")
+            ax.set_title(f"where a relay request's time goes, {sampling} sampling")
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+            fig.tight_layout()
+            paths.append(out / f"relay_time_split-{sampling}.png")
+            fig.savefig(paths[-1], dpi=120)
+            plt.close(fig)
     return paths
 
 
-def _median_mean_latency_ms(report: BenchReport, mode: str, concurrency: int) -> float | None:
-    means = [r.latency_mean_s for r in report.runs if r.mode == mode and r.concurrency == concurrency and r.latency_mean_s is not None]
+def _median_mean_latency_ms(report: BenchReport, mode: str, concurrency: int, sampling: str) -> float | None:
+    means = [
+        r.latency_mean_s
+        for r in report.runs
+        if r.mode == mode and r.concurrency == concurrency and r.sampling == sampling and r.latency_mean_s is not None
+    ]
     return 1000 * statistics.median(means) if means else None

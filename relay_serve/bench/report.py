@@ -13,6 +13,7 @@ error.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from typing import Any
 
@@ -21,6 +22,11 @@ from pydantic import BaseModel, Field
 
 RATIO_LIMIT = 1.05
 MODELS = ("large", "small")
+SPEC = "+spec"  # a mode on the app whose large engine speculates (large+spec, relay+spec, auto+spec)
+# relay (or auto) modes and the single-model mode on the same engines they are measured against
+PAIRS = {"relay": "large", "relay+spec": "large+spec", "auto": "large", "auto+spec": "large+spec"}
+# modes that write the same text under greedy sampling: engines with and without speculation, relay-serve and vLLM
+SAME_TEXT = (("large", "large+spec"), ("relay", "relay+spec"), ("large", "vllm-large"))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -60,14 +66,25 @@ class HandoffCost(BaseModel):
     recomputed_tokens: float | None = Field(None, description="mean prompt tokens not served from the prefix cache")
 
 
+class SpecStats(BaseModel):
+    """A speculative engine's drafts during one run (vLLM's spec-decode statistics, read from the
+    replica before and after it)."""
+
+    drafts: int
+    acceptance_length: float | None = Field(description="mean tokens a speculative step wrote (1 + accepted per draft)")
+    acceptance_rate: float | None = Field(description="accepted draft tokens over proposed ones")
+
+
 class RunMetrics(BaseModel):
     """One mode at one concurrency in one round."""
 
     mode: str
     concurrency: int
     round: int
+    sampling: str = Field("paper", description="the sampling profile: greedy or paper")
     requests: int
     errors: int
+    refused: int = Field(0, description="of the errors, requests the service refused (HTTP 4xx): a setting the mode cannot run")
     first_error: str | None = None
     latency_p50_s: float | None
     latency_p90_s: float | None
@@ -87,11 +104,25 @@ class RunMetrics(BaseModel):
     pauses_per_request: float | None = Field(None, description="pauses of resumable requests on a possible stop that was none")
     degraded_requests: int = 0
     kept_on_large_per_request: float = 0.0
+    auto_relay_share: float | None = Field(None, description="auto: the share of requests it ran as relay")
+    spec: SpecStats | None = None
+    texts: list[str] = Field(default_factory=list, description="a digest of each request's text, in request order ('' when it failed)")
 
 
-def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str, Any]], wall_s: float) -> RunMetrics:
+def _content(response: dict[str, Any]) -> str:
+    choices = response.get("choices") or [{}]
+    return str((choices[0].get("message") or {}).get("content") or "")
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run_metrics(
+    mode: str, concurrency: int, round_: int, results: list[dict[str, Any]], wall_s: float, sampling: str = "paper"
+) -> RunMetrics:
     """Figures of one run from its results: each a response with ``_latency_s`` and ``_correct``,
-    or ``{"_error": ...}`` for a request that failed (it counts as wrong)."""
+    or ``{"_error": ..., "_status": ...}`` for a request that failed (it counts as wrong)."""
     ok = [r for r in results if "_error" not in r]
     lat = [r["_latency_s"] for r in ok]
     tokens = [r["usage"]["completion_tokens"] for r in ok]
@@ -100,8 +131,11 @@ def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str
         mode=mode,
         concurrency=concurrency,
         round=round_,
+        sampling=sampling,
         requests=len(results),
         errors=len(results) - len(ok),
+        refused=sum(1 for r in results if "_error" in r and 400 <= (r.get("_status") or 0) < 500),
+        texts=[text_digest(_content(r)) if "_error" not in r else "" for r in results],
         first_error=next((r["_error"][:300] for r in results if "_error" in r), None),
         latency_p50_s=_round(pct(lat, 0.5)) if lat else None,
         latency_p90_s=_round(pct(lat, 0.9)) if lat else None,
@@ -112,6 +146,8 @@ def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str
     )
     if not relay:
         return m  # a server without relay-serve's usage (plain vLLM)
+    if any("policy" in u for u in relay):
+        m.auto_relay_share = round(sum(1 for u in relay if u.get("policy") == "relay") / len(relay), 4)
     engine_reqs = [e for r in ok for e in r.get("relay_engine_requests", [])]
     prompt = sum(e["prompt_tokens"] for e in engine_reqs)
     overhead = [(u["wall_s"] - u["engine_s"]) / u["switches"] for u in relay if u["switches"] > 0]
@@ -139,15 +175,21 @@ def run_metrics(mode: str, concurrency: int, round_: int, results: list[dict[str
 
 
 def _decode_costs(engine_reqs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each model's decode cost per token inside the engine: decode time over the steps after
-    each request's first token."""
+    """Each model's decode cost per token inside the engine: decode time over the decode steps the
+    engine reports for it (the tokens after each chunk's first: a resumable request that paused
+    wrote its first token of every chunk after a prefill, not a decode step)."""
     costs = {}
     for model in MODELS:
-        timed = [e for e in engine_reqs if e["model"] == model and e.get("decode_s") is not None and e["output_tokens"] > 1]
-        steps = sum(e["output_tokens"] - 1 for e in timed)
+        timed = [e for e in engine_reqs if e["model"] == model and e.get("decode_s") is not None and _steps(e) > 0]
+        steps = sum(_steps(e) for e in timed)
         if steps:
             costs[model] = round(1000 * sum(e["decode_s"] for e in timed) / steps, 3)
     return costs
+
+
+def _steps(e: dict[str, Any]) -> int:
+    steps = e.get("decode_steps")
+    return int(steps) if steps is not None else e["output_tokens"] - 1
 
 
 def _handoff_costs(per_request: list[list[dict[str, Any]]], decode_ms: dict[str, float]) -> dict[str, HandoffCost]:
@@ -181,6 +223,8 @@ def _ms(seconds: float) -> float:
 class ModeSummary(BaseModel):
     runs: int
     errors: int
+    refused: int = 0
+    first_error: str | None = None
     latency_p50_s: Spread
     latency_p90_s: Spread
     output_tokens_per_s: Spread
@@ -194,10 +238,29 @@ class ModeSummary(BaseModel):
     handoffs_ms: Spread = Field(description="a request's time inside the engines beyond its tokens' decode cost")
     kept_on_large_per_request: Spread
     decode_ms_per_token: dict[str, Spread]
+    spec_acceptance_length: Spread = Field(default_factory=Spread, description="a speculative engine's mean tokens a step")
+    spec_acceptance_rate: Spread = Field(default_factory=Spread)
+    auto_relay_share: Spread = Field(default_factory=Spread, description="auto: the share of requests it ran as relay")
+
+    @property
+    def served(self) -> bool:
+        """Whether any of its requests succeeded."""
+        return self.latency_p50_s.median is not None
+
+
+class Speedup(BaseModel):
+    """A relay mode against the single-model mode on the same engines, over the rounds."""
+
+    over: str
+    speedup: Spread = Field(description="the other mode's time per output token over this one's, per round")
+    ideal: Spread = Field(description="the same with this mode's tokens at their models' in-engine decode cost")
+    achieved_over_ideal: Spread
+    measurement_error: bool = Field(description=f"a round's achieved / ideal exceeded {RATIO_LIMIT}")
 
 
 class LevelReport(BaseModel):
     concurrency: int
+    sampling: str = Field("paper", description="the sampling profile of every run at this level")
     modes: dict[str, ModeSummary]
     speedup: Spread = Field(description="large's time per output token over relay's, per round")
     ideal: Spread = Field(description="the same with relay's tokens at their models' in-engine decode cost")
@@ -206,6 +269,20 @@ class LevelReport(BaseModel):
     cost_ratio: Spread = Field(description="large's in-engine decode cost per token over small's (each model alone)")
     relay_split_ms: dict[str, Spread] = Field(default_factory=dict)
     relay_handoff: dict[str, HandoffCost] = Field(default_factory=dict, description="the median round's")
+    speedups: dict[str, Speedup] = Field(default_factory=dict, description="each relay mode against its single-model mode (PAIRS)")
+    same_text: dict[str, float] = Field(
+        default_factory=dict, description="greedy: of requests both modes answered, the share whose texts are identical ('a=b')"
+    )
+
+    def best(self, modes: list[str] | None = None) -> str | None:
+        """The mode with the lowest p50 latency among ``modes`` (default: all that served), among
+        those whose pass@1 is within 0.03 of the best pass@1 of them."""
+        cands = {m: s for m, s in self.modes.items() if s.served and (modes is None or m in modes)}
+        if not cands:
+            return None
+        top = max(s.pass_at_1 for s in cands.values())
+        good = {m: s for m, s in cands.items() if s.pass_at_1 >= top - 0.03}
+        return min(good, key=lambda m: good[m].latency_p50_s.median or float("inf"))
 
 
 def summarize_mode(runs: list[RunMetrics]) -> ModeSummary:
@@ -227,6 +304,11 @@ def summarize_mode(runs: list[RunMetrics]) -> ModeSummary:
         handoffs_ms=Spread.of([r.split_ms["handoffs"] if r.split_ms else None for r in runs], 2),
         kept_on_large_per_request=Spread.of([r.kept_on_large_per_request for r in runs], 3),
         decode_ms_per_token={m: Spread.of([r.decode_ms_per_token.get(m) for r in runs], 3) for m in models},
+        refused=sum(r.refused for r in runs),
+        first_error=next((r.first_error for r in runs if r.first_error), None),
+        spec_acceptance_length=Spread.of([r.spec.acceptance_length if r.spec else None for r in runs], 3),
+        spec_acceptance_rate=Spread.of([r.spec.acceptance_rate if r.spec else None for r in runs], 3),
+        auto_relay_share=Spread.of([r.auto_relay_share for r in runs], 3),
     )
 
 
@@ -239,30 +321,66 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
     def one(mode: str, round_: int) -> RunMetrics | None:
         return next((r for r in by_mode.get(mode, []) if r.round == round_), None)
 
-    speedup, ideal, ratio, cost = [], [], [], []
+    speedups = {}
+    for mode, over in PAIRS.items():
+        if mode in by_mode and over in by_mode:
+            speedups[mode] = _speedup(over, [(one(over, k), one(mode, k)) for k in rounds])
+    cost = []
     for k in rounds:
-        large, relay, small = one("large", k), one("relay", k), one("small", k)
-        if large and relay and large.s_per_token and relay.s_per_token:
-            speedup.append(large.s_per_token / relay.s_per_token)
-            if relay.ideal_s_per_token:
-                ideal.append(large.s_per_token / relay.ideal_s_per_token)
-                ratio.append(relay.ideal_s_per_token / relay.s_per_token)
+        large, small = one("large", k), one("small", k)
         if large and small and "large" in large.decode_ms_per_token and "small" in small.decode_ms_per_token:
             cost.append(large.decode_ms_per_token["large"] / small.decode_ms_per_token["small"])
+    relay = speedups.get("relay") or Speedup(over="large", speedup=Spread(), ideal=Spread(), achieved_over_ideal=Spread(), measurement_error=False)
     relay_runs = [r for r in by_mode.get("relay", []) if r.split_ms]
     split = {key: Spread.of([r.split_ms[key] for r in relay_runs], 2) for key in ("decode", "handoffs", "router", "outside")} if relay_runs else {}
     median_run = sorted(relay_runs, key=lambda r: r.s_per_token or 0.0)[len(relay_runs) // 2] if relay_runs else None
     return LevelReport(
         concurrency=concurrency,
+        sampling=runs[0].sampling if runs else "paper",
         modes={mode: summarize_mode(rs) for mode, rs in by_mode.items()},
+        speedup=relay.speedup,
+        ideal=relay.ideal,
+        achieved_over_ideal=relay.achieved_over_ideal,
+        measurement_error=relay.measurement_error,
+        cost_ratio=Spread.of(cost, 2),
+        relay_split_ms=split,
+        relay_handoff=median_run.handoff if median_run else {},
+        speedups=speedups,
+        same_text={f"{a}={b}": share for a, b in SAME_TEXT if (share := _same_text(by_mode.get(a, []), by_mode.get(b, []))) is not None},
+    )
+
+
+def _speedup(over: str, rounds: list[tuple[RunMetrics | None, RunMetrics | None]]) -> Speedup:
+    """``over``'s time per output token over the relay mode's, per round, and the bound from the
+    relay mode's own in-engine decode costs."""
+    speedup, ideal, ratio = [], [], []
+    for base, relay in rounds:
+        if base and relay and base.s_per_token and relay.s_per_token:
+            speedup.append(base.s_per_token / relay.s_per_token)
+            if relay.ideal_s_per_token:
+                ideal.append(base.s_per_token / relay.ideal_s_per_token)
+                ratio.append(relay.ideal_s_per_token / relay.s_per_token)
+    return Speedup(
+        over=over,
         speedup=Spread.of(speedup, 3),
         ideal=Spread.of(ideal, 3),
         achieved_over_ideal=Spread.of(ratio, 3),
         measurement_error=any(x > RATIO_LIMIT for x in ratio),
-        cost_ratio=Spread.of(cost, 2),
-        relay_split_ms=split,
-        relay_handoff=median_run.handoff if median_run else {},
     )
+
+
+def _same_text(a: list[RunMetrics], b: list[RunMetrics]) -> float | None:
+    """Of the requests both modes answered in the same rounds (same prompts and seeds), the share
+    with identical texts; greedy runs only (sampled texts differ between engines by design)."""
+    pairs = [
+        (x, y)
+        for ra in a
+        for rb in b
+        if ra.round == rb.round and ra.sampling == rb.sampling == "greedy"
+        for x, y in zip(ra.texts, rb.texts)
+        if x and y
+    ]
+    return round(sum(1 for x, y in pairs if x == y) / len(pairs), 4) if pairs else None
 
 
 class PairInfo(BaseModel):
@@ -282,20 +400,41 @@ class BenchReport(BaseModel):
     runs: list[RunMetrics]
     variants: dict[str, str] = Field(default_factory=dict, description="relay modes on apps that differ in one setting: what differs")
 
-    def level(self, concurrency: int) -> LevelReport:
-        return next(lv for lv in self.levels if lv.concurrency == concurrency)
+    def level(self, concurrency: int, sampling: str | None = None) -> LevelReport:
+        return next(lv for lv in self.levels if lv.concurrency == concurrency and (sampling is None or lv.sampling == sampling))
 
-    def summary(self) -> dict[str, Any]:
-        """The last line of ``relay-serve bench --json``: medians over the rounds."""
+    def profiles(self) -> list[str]:
+        """The sampling profiles, in the order they ran."""
+        return list(dict.fromkeys(lv.sampling for lv in self.levels))
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """The last lines of ``relay-serve bench --json``, one per sampling profile."""
+        return [self.summary(p) for p in self.profiles()]
+
+    def summary(self, sampling: str | None = None) -> dict[str, Any]:
+        """One profile's summary line (the first profile by default): medians over the rounds."""
+        sampling = sampling or (self.profiles() or ["paper"])[0]
+        levels = [lv for lv in self.levels if lv.sampling == sampling]
 
         def p50(lv: LevelReport, mode: str) -> float | None:
             return lv.modes[mode].latency_p50_s.median if mode in lv.modes else None
 
         def pass1(lv: LevelReport, mode: str) -> float | None:
-            return lv.modes[mode].pass_at_1 if mode in lv.modes else None
+            return lv.modes[mode].pass_at_1 if mode in lv.modes and lv.modes[mode].served else None
+
+        def modes(lv: LevelReport) -> dict[str, dict[str, float | None]]:
+            return {
+                mode: {"p50_s": s.latency_p50_s.median, "tok_s": s.output_tokens_per_s.median, "pass_at_1": pass1(lv, mode)}
+                for mode, s in lv.modes.items()
+            }
+
+        def acceptance(lv: LevelReport) -> float | None:
+            found = [s.spec_acceptance_length.median for s in lv.modes.values() if s.spec_acceptance_length.median is not None]
+            return round(statistics.median(found), 3) if found else None
 
         return {
             "pair": self.pair.model_dump(),
+            "sampling": sampling,
             "levels": [
                 {
                     "concurrency": lv.concurrency,
@@ -309,7 +448,9 @@ class BenchReport(BaseModel):
                     "large_p50_s": p50(lv, "large"),
                     "vllm_large_p50_s": p50(lv, "vllm-large"),
                     "router_overhead_per_switch_ms": lv.modes["relay"].router_overhead_per_switch_ms_p50.median if "relay" in lv.modes else None,
+                    "modes": modes(lv),
+                    "spec_acceptance_length": acceptance(lv),
                 }
-                for lv in self.levels
+                for lv in levels
             ],
         }

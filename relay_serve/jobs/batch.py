@@ -10,7 +10,9 @@ line number (or row number for Parquet) and the reason; they are never dropped s
 
 Input rows: ``id`` (optional; default ``line-N``/``row-N``), then ``prompt`` (a user message's
 content) or ``messages`` (chat messages), and optionally ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``seed``, ``stop`` overriding the run's defaults.
+``top_p``, ``top_k``, ``seed``, ``stop`` overriding the run's defaults, and ``answer``: a gold
+answer the result is graded against (math-verify, as ``relay-serve eval`` grades), so that a
+batch over a labelled set reports its pass@1 beside its throughput.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class BatchSettings(BaseModel):
 
     input: str = Field(description="a .jsonl or .parquet file: a local path or an fsspec/Ray Data URI")
     output: str = Field(description="the results folder (local path or object-store URI)")
-    mode: str = Field("relay", description="the model id to request: relay, large, small, speculative-thinking")
+    mode: str = Field("relay", description="the model id to request: relay, large, small, speculative-thinking, auto")
     concurrency: int = Field(32, ge=1, le=4096, description="requests in flight")
     format: Literal["parquet", "jsonl"] = "parquet"
     max_tokens: int | None = Field(None, ge=1, description="default for rows that do not set it")
@@ -69,6 +71,7 @@ class BatchRow(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    answer: str | int | float | None = Field(None, description="a gold answer: the result is graded against it")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> BatchRow:
@@ -88,7 +91,10 @@ class BatchSummary(BaseModel):
     failed: int
     elapsed_s: float
     completion_tokens: int
+    output_tokens_per_s: float | None = Field(None, description="completion tokens of this run over its elapsed time")
     small_token_share: float | None
+    graded: int = Field(0, description="results of rows with a gold answer")
+    pass_at_1: float | None = Field(None, description="of the rows with a gold answer (a failed row counts as wrong)")
     errors_file: str
 
 
@@ -220,10 +226,15 @@ class Output:
             f.write(summary.model_dump_json(indent=2) + "\n")
 
 
-def result_record(row_id: str, line: int, mode: str, response: dict[str, Any], latency_s: float) -> dict[str, Any]:
+def result_record(row_id: str, line: int, mode: str, response: dict[str, Any], latency_s: float, answer: str | None = None) -> dict[str, Any]:
     usage = response["usage"]
     relay = usage.get("relay") or {}
     choice = response["choices"][0]
+    graded: dict[str, Any] = {}
+    if answer is not None:
+        from relay_serve.eval.grading import is_correct
+
+        graded = {"answer": answer, "correct": bool(is_correct(choice["message"]["content"], answer))}
     return {
         "id": row_id,
         "line": line,
@@ -239,7 +250,9 @@ def result_record(row_id: str, line: int, mode: str, response: dict[str, Any], l
         "cached_prompt_tokens": relay.get("cached_prompt_tokens", 0),
         "cue_set_version": relay.get("cue_set_version"),
         "degraded": bool(relay.get("degraded", False)),
+        "policy": relay.get("policy"),
         "latency_s": round(latency_s, 4),
+        **graded,
     }
 
 
@@ -257,6 +270,8 @@ class _Counts:
     failed: int = 0
     tokens: int = 0
     small: int = 0
+    graded: int = 0
+    correct: int = 0
 
 
 class _BatchRun:
@@ -273,6 +288,7 @@ class _BatchRun:
         self.results: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.seen: set[str] = set()
+        self.answers: dict[str, str] = {}  # gold answers of the rows that have one
         self.last_flush = time.monotonic()
         self.prefix = "row" if _input_kind(s.input) == "parquet" else "line"
         self.bar = tqdm(total=count_rows(s.input), desc=f"batch {s.mode}", unit="row", disable=not progress)
@@ -332,6 +348,8 @@ class _BatchRun:
         if row_id in self.done:
             self.counts.skipped += 1
             return None
+        if row.answer is not None:
+            self.answers[row_id] = str(row.answer)
         return line, row_id, request_body(row, self.s)
 
     async def _send(self, line: int, row_id: str, body: dict[str, Any]) -> None:
@@ -343,14 +361,18 @@ class _BatchRun:
             except Exception as e:  # noqa: BLE001 - the handle itself failed (replica died, ...)
                 result = {"error": {"message": f"{type(e).__name__}: {e}"}, "status": 503}
             if "response" in result:
-                rec = result_record(row_id, line, self.s.mode, result["response"], time.perf_counter() - t0)
+                answer = self.answers.get(row_id)
+                rec = result_record(row_id, line, self.s.mode, result["response"], time.perf_counter() - t0, answer)
                 self.results.append(rec)
                 self.counts.tokens += rec["completion_tokens"]
                 self.counts.small += rec["small_tokens"]
+                self.counts.graded += answer is not None
+                self.counts.correct += bool(rec.get("correct"))
                 break
             status = int(result.get("status", 500))
             if status < 500 or attempt == self.s.retries:
                 self._error(line, row_id, "failed", f"HTTP {status}: {result['error'].get('message')}")
+                self.counts.graded += row_id in self.answers  # a failed row counts as wrong
                 break
             await asyncio.sleep(0.5 * 2**attempt)
         self.bar.update(1)
@@ -387,7 +409,10 @@ class _BatchRun:
             failed=c.failed,
             elapsed_s=round(elapsed_s, 3),
             completion_tokens=c.tokens,
+            output_tokens_per_s=round(c.tokens / elapsed_s, 1) if elapsed_s > 0 else None,
             small_token_share=round(c.small / c.tokens, 4) if c.tokens else None,
+            graded=c.graded,
+            pass_at_1=round(c.correct / c.graded, 4) if c.graded else None,
             errors_file=f"{self.out.uri}/{ERRORS_FILE}",
         )
         self.out.write_summary(summary)

@@ -11,12 +11,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relay_serve.relay.auto import AutoSettings
 from relay_serve.relay.session import Policy, SegmentOutcome, Session, SmallModelUnavailable
 from relay_serve.relay.text import SENTENCE_STOPS, THINK_CLOSE, cue_stop_strings, find_cue
 from relay_serve.relay.types import ModelRole
 
 PolicyName = Literal["relay", "large", "small", "speculative-thinking"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("relay", "large", "small", "speculative-thinking")
+MODEL_IDS: tuple[str, ...] = (*POLICY_NAMES, "auto")  # auto: relay or large, per generation (auto.py)
 
 
 class PolicySettings(BaseModel):
@@ -38,6 +40,7 @@ class PolicySettings(BaseModel):
         default_factory=lambda: ["wait", "alternatively", "hold on", "check", "verify", "hmm"],
         description="speculative-thinking: a draft holding one of these hands the stretch to the large model",
     )
+    auto: AutoSettings = Field(default_factory=AutoSettings, description="auto: how it learns which of relay and large is faster")
 
 
 class SingleModel:

@@ -195,6 +195,7 @@ class RelayUsage(BaseModel):
     false_stops: int = Field(
         default=0, description="large-model segments that stopped on a cue's stop string where no cue was (a new engine request)"
     )
+    policy: str | None = Field(default=None, description="auto: the policy it ran this generation as (relay or large)")
     wall_s: float = Field(0.0, description="seconds the router spent on the generation")
     engine_s: float = Field(0.0, description="of which inside engines (as the replicas measured it)")
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
-from relay_serve.relay.policy import POLICY_NAMES, make_policy
+from relay_serve.relay.auto import AutoChooser
+from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
-from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, SamplingSettings
+from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, ModelRole, SamplingSettings
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.shadow import ShadowScorer
@@ -48,9 +49,11 @@ class Generation:
     session: Session
     policy: Policy
     chat: bool
-    name: str  # the policy: relay, large, small, speculative-thinking
+    name: str  # the model id's policy: relay, large, small, speculative-thinking, auto
     arrived: float  # time.perf_counter() when the request arrived
     explored: bool = False  # online calibration: the reasoning is the large model's alone
+    path: str = ""  # the policy it runs as: ``name``, or for auto the one it chose
+    load: int = 1  # generations in flight on this router when it started (itself included)
 
     def age(self) -> float:
         return time.perf_counter() - self.arrived
@@ -68,6 +71,7 @@ class Generations:
         self.shadow: ShadowScorer | None = None  # online cue calibration, when enabled
         self.max_model_len = cfg.max_model_len or 4096
         self.in_flight = 0
+        self.auto = AutoChooser(cfg.policy.auto)
 
     # ---- request -> generation -----------------------------------------------------------------
 
@@ -81,12 +85,15 @@ class Generations:
         await self.cues.maybe_refresh()
         self.metrics.cue_set_version(self.cues.active().version)
         cues, cue_version = self._cues(req, name)
+        sampling = self._sampling(req)
+        load = self.in_flight + 1
+        # auto: relay or large, whichever has been faster at this load; its engines are relay's
+        await self._check_engines(("large", "small") if name == "auto" else make_policy(name, self.cfg.policy, []).models, sampling, req)
+        path = self.auto.choose(load) if name == "auto" else name
         explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
         if explored:
             cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue
-        policy = make_policy(name, self.cfg.policy, cues)
-        sampling = self._sampling(req)
-        await self._check_engines(policy, sampling, req)
+        policy = make_policy(path, self.cfg.policy, cues)
         session = Session(
             backend=self.backend,
             codec=self.codec,
@@ -101,13 +108,14 @@ class Generations:
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
         session.usage.explored = explored
-        return Generation(req, session, policy, chat, name, arrived, explored)
+        session.usage.policy = path if name == "auto" else None
+        return Generation(req, session, policy, chat, name, arrived, explored, path=path, load=load)
 
-    async def _check_engines(self, policy: Policy, sampling: SamplingSettings, req: AnyRequest) -> None:
-        """Refuse sampling that an engine the policy may use would run wrongly or crash on (a
+    async def _check_engines(self, models: tuple[ModelRole, ...], sampling: SamplingSettings, req: AnyRequest) -> None:
+        """Refuse sampling that an engine of ``models`` would run wrongly or crash on (a
         speculative vLLM-CPU engine samples only greedily): a 400 naming the parameter, before
         anything reaches an engine."""
-        for model in policy.models:
+        for model in models:
             try:
                 (await self.backend.traits(model)).check(model, sampling)
             except InvalidRequest as e:
@@ -122,7 +130,7 @@ class Generations:
             cue_set = self.cues.active()
             return list(cue_set.cues), cue_set.version
         r = self.cfg.router
-        if policy != "relay":
+        if policy != "relay":  # auto included: its generations may not relay
             raise ClientError("relay_cues applies to the relay model only", param="relay_cues")
         if len(req.relay_cues) > r.max_request_cues:
             raise ClientError(f"at most {r.max_request_cues} cues are allowed", param="relay_cues")
@@ -146,8 +154,8 @@ class Generations:
     def policy_name(self, model: str) -> str:
         prefix = self.cfg.router.model_name_prefix
         name = model[len(prefix) :] if prefix and model.startswith(prefix) else model
-        if name not in POLICY_NAMES:
-            known = ", ".join(prefix + m for m in POLICY_NAMES)
+        if name not in MODEL_IDS:
+            known = ", ".join(prefix + m for m in MODEL_IDS)
             raise ClientError(f"unknown model {model!r}; this service serves {known}", param="model", code="model_not_found")
         return name
 
@@ -238,7 +246,10 @@ class Generations:
         e2e = g.age()
         self.metrics.request(g.name, 200, e2e)
         self.metrics.generation(g.name, result, ttft_s=ttft_s, e2e_s=e2e)
-        if self.shadow is not None and g.name == "relay" and g.request.relay_cues is None:
+        if g.name == "auto":
+            self.auto.record(g.path, g.load, result.usage.wall_s, len(result.token_ids))
+            self.metrics.auto_choice(g.path)
+        if self.shadow is not None and g.path == "relay" and g.request.relay_cues is None:
             self.shadow.offer(g.session.prompt_ids, result.token_ids, g.session.output.owners, g.explored)
 
     def timeout_message(self) -> str:

@@ -1,7 +1,7 @@
 """The router's metrics, recorded through Ray's metrics API (``ray.util.metrics``) and exported by
 the metrics agent of every Ray node on its metrics export port, for Prometheus to scrape.
 
-Ray prefixes application metrics with ``ray_``: the scrape configuration in ``deploy/prometheus``
+Ray prefixes application metrics with ``ray_``: the scrape configuration in ``monitoring/prometheus.yml``
 (and the PodMonitor in ``k8s/``) drops that prefix for these, so they are stored under the names
 below. Every series carries the app's name (``app``); Ray adds the node and worker. The model
 deployments' engine figures (running and waiting sequences, KV cache usage, prefix-cache hits)
@@ -120,6 +120,11 @@ class RouterMetrics:
             description="Online cue calibration: served relay generations scored, dropped (the scoring queue was full) or failed.",
             tag_keys=("app", "outcome"),
         ))  # fmt: skip
+        self.auto = tagged(m.Counter(
+            "relay_serve_auto_choices_total",
+            description="Generations of the auto model by the policy it ran them as (relay or large).",
+            tag_keys=("app", "policy"),
+        ))  # fmt: skip
         self._cue_version: str | None = None
         self._sampler: asyncio.Task | None = None
 
@@ -153,6 +158,9 @@ class RouterMetrics:
             n = len(result.token_ids)
             if e2e_s is not None and n > 1:
                 self.itl.observe(max(0.0, e2e_s - ttft_s) / (n - 1), tags=tags)
+
+    def auto_choice(self, policy: str) -> None:
+        self.auto.inc(1, tags={"policy": policy})
 
     def shadow_generation(self, outcome: str) -> None:
         self.shadow.inc(1, tags={"outcome": outcome})

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from relay_serve.config import AppConfig
-from relay_serve.relay.policy import POLICY_NAMES
+from relay_serve.relay.policy import MODEL_IDS
 from relay_serve.relay.types import Backend
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.generations import Generations
@@ -36,6 +36,7 @@ MODEL_DESCRIPTIONS = {
     "large": "the large model alone",
     "small": "the small model alone",
     "speculative-thinking": "Speculative Thinking: the small model leads, the large one takes reflective stretches",
+    "auto": "relay or the large model alone, per generation: whichever has been faster at the current load",
 }
 
 
@@ -101,7 +102,7 @@ class RelayRouter:
 
     async def models(self) -> dict[str, Any]:
         prefix = self.cfg.router.model_name_prefix
-        cards = [ModelCard(id=prefix + m, created=now(), description=MODEL_DESCRIPTIONS[m]) for m in POLICY_NAMES]
+        cards = [ModelCard(id=prefix + m, created=now(), description=MODEL_DESCRIPTIONS[m]) for m in MODEL_IDS]
         return {"object": "list", "data": [c.model_dump() for c in cards]}
 
     async def active_cues(self) -> dict[str, Any]:
@@ -146,6 +147,7 @@ class RelayRouter:
             "idle_leases": held.get("idle_leases"),
             "channels": held.get("channels"),
             "segments_in_flight": dict(segments) if isinstance(segments, dict) else None,
+            "auto": self.generations.auto.state(),
             "rss_bytes": psutil.Process().memory_info().rss,
             "python_blocks": sys.getallocatedblocks(),
         }

@@ -116,20 +116,21 @@ def test_report_files_and_summary_line(tmp_path):
         variants={"relay-bounded": "at most 4 small-model segments in flight"},
     )  # fmt: skip
     md = markdown(report)
-    assert "`relay-serve bench`" in md and "toy:large-wide" in md and "| 1 | 1.5 [" in md
-    assert "| vllm-large | 1 | 0.55 |" in md and "| at most 4 small-model segments in flight | 1 | 0.45 |" in md
-    assert "| the defaults | 1 | 0.42 |" in md
-    assert "| 1 | large | 1.0 | 40.0 | 20.0 | 4.0 |" in md
+    assert "`relay-serve bench`" in md and "toy:large-wide" in md and "| 1 | relay | large | 1.5 [" in md
+    assert "| paper | vllm-large | 1 | 0.55 |" in md and "| at most 4 small-model segments in flight | paper | 1 | 0.45 |" in md
+    assert "| the defaults | paper | 1 | 0.42 |" in md
+    assert "| paper | 1 | large | 1.0 | 40.0 | 20.0 | 4.0 |" in md
     paths = plots(report, tmp_path)
-    assert [p.name for p in paths] == ["speedup.png", "latency.png", "relay_time_split.png"]
+    assert [p.name for p in paths] == ["speedup.png", "modes-paper.png", "relay_time_split-paper.png"]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     summary = report.summary()
     (level,) = summary["levels"]
     assert set(level) == {
         "concurrency", "speedup", "ideal", "achieved_over_ideal", "measurement_error", "relay_pass_at_1", "large_pass_at_1",
-        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms",
+        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms", "modes", "spec_acceptance_length",
     }  # fmt: skip
-    assert level["vllm_large_p50_s"] == 0.55 and summary["pair"]["large"] == "toy:large-wide"
+    assert level["vllm_large_p50_s"] == 0.55 and summary["pair"]["large"] == "toy:large-wide" and summary["sampling"] == "paper"
+    assert level["modes"]["vllm-large"] == {"p50_s": 0.55, "tok_s": 20.0, "pass_at_1": 1.0}
     assert BenchReport.model_validate_json(report.model_dump_json()) == report  # bench.json reads back as the typed report
 
 
@@ -144,11 +145,11 @@ def test_engine_arguments_become_vllm_flags():
 
 @pytest.mark.serve
 def test_engines_time_their_requests_on_the_real_app(relay_app):
-    from relay_serve.bench.bench import BenchSettings, measure
+    from relay_serve.bench.bench import BenchSettings, Target, measure
     from relay_serve.eval.datasets import load_problems
 
     s = BenchSettings(requests_per_level=3, max_tokens=120)
-    m = measure(relay_app, "relay", "relay", s, load_problems("toy", 3), c=3, round_=0)
+    m = measure(Target(base=relay_app, model="relay"), "relay", s, load_problems("toy", 6), c=3, round_=0)
     assert m.errors == 0 and m.switches_per_request > 0
     assert set(m.decode_ms_per_token) == {"large", "small"} and all(0 < v < 100 for v in m.decode_ms_per_token.values())
     assert m.ideal_s_per_token is not None and m.ideal_s_per_token < m.s_per_token  # a bound, in a real run
@@ -175,3 +176,95 @@ def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
         theirs, _ = asyncio.run(fire(vllm.base, [chat_body(vllm.served_name, p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2))
     texts = [[r["choices"][0]["message"]["content"] for r in rs] for rs in (ours, theirs)]
     assert texts[0] == texts[1] and all("</think>" in t for t in texts[0])
+
+
+def spec_result(latency: float, accepted: bool = True) -> dict:
+    r = single_result(latency, "large", 20, 0.005)
+    r["choices"] = [{"message": {"content": "same" if accepted else "other"}}]
+    return r
+
+
+def test_profiles_refused_modes_and_speculative_pairs(tmp_path):
+    """Two sampling profiles: greedy, where every mode served, and paper, where the speculative
+    modes were refused (HTTP 400): the report keeps both, says which were refused, draws what
+    it has, and prints one summary line a profile with every mode's cell."""
+    from relay_serve.bench.render import markdown, plots
+    from relay_serve.bench.report import SpecStats
+
+    refused = {"_error": "HTTP 400: temperature=0.6: the large model's engine runs only greedy sampling correctly", "_status": 400}
+    runs = []
+    for sampling in ("greedy", "paper"):
+        for k in range(3):
+            runs.append(run_metrics("large", 1, k, [single_result(0.60, "large", 20, 0.02) | {"choices": [{"message": {"content": "same"}}]}], 1.0, sampling))
+            runs.append(run_metrics("relay", 1, k, [relay_result(0.40)], 1.0, sampling))
+            if sampling == "greedy":
+                fast = run_metrics("large+spec", 1, k, [spec_result(0.20)], 1.0, sampling)
+                fast.spec = SpecStats(drafts=5, acceptance_length=4.2, acceptance_rate=0.8)
+                other = relay_result(0.25) | {"choices": [{"message": {"content": "y"}}]}  # relay wrote "x"
+                runs += [fast, run_metrics("relay+spec", 1, k, [other], 1.0, sampling)]
+            else:
+                runs += [run_metrics(m, 1, k, [refused], 1.0, sampling) for m in ("large+spec", "relay+spec")]
+    levels = [level_report(1, [r for r in runs if r.sampling == p]) for p in ("greedy", "paper")]
+    report = BenchReport(started="t", machine="m", command="relay-serve bench --sampling greedy,paper", settings={"rounds": 3, "spec_tokens": 4},
+                         pair=PairInfo(large="a", small="b"), levels=levels, runs=runs)  # fmt: skip
+    greedy, paper = levels
+    assert greedy.speedups["relay+spec"].over == "large+spec" and greedy.speedups["relay+spec"].speedup.median == pytest.approx(0.8)
+    assert "relay+spec" not in paper.speedups or paper.speedups["relay+spec"].speedup.median is None
+    assert greedy.same_text == {"large=large+spec": 1.0, "relay=relay+spec": 0.0}
+    assert paper.same_text == {}  # sampled texts are not compared
+    assert paper.modes["large+spec"].refused == 3 and not paper.modes["large+spec"].served
+    assert greedy.best() == "large+spec" and paper.best() == "relay"
+    md = markdown(report)
+    assert "## Sampling: greedy" in md and "## Sampling: the paper's" in md and "| refused |" in md
+    assert "large+spec, paper sampling: 3 failed in all; HTTP 400: temperature=0.6" in md
+    names = [p.name for p in plots(report, tmp_path)]
+    assert names == ["speedup.png", "modes-greedy.png", "relay_time_split-greedy.png", "modes-paper.png", "relay_time_split-paper.png"]
+    lines = report.summaries()
+    assert [line["sampling"] for line in lines] == ["greedy", "paper"]
+    g, p = (line["levels"][0] for line in lines)
+    assert g["spec_acceptance_length"] == 4.2 and p["spec_acceptance_length"] is None
+    assert g["modes"]["large+spec"] == {"p50_s": 0.2, "tok_s": 20.0, "pass_at_1": 1.0}
+    assert p["modes"]["relay+spec"] == {"p50_s": None, "tok_s": 0.0, "pass_at_1": None}
+
+
+def test_decode_cost_counts_the_steps_the_engine_reports():
+    """A resumable segment that paused twice wrote three chunks: its first token of each chunk came
+    after a prefill, so 20 tokens took 17 decode steps, not 19."""
+    r = relay_result(0.4)
+    r["relay_engine_requests"][0] |= {"output_tokens": 20, "decode_s": 17 * 0.02, "decode_steps": 17}
+    r["relay_engine_requests"][2] |= {"decode_steps": 3}
+    m = run_metrics("relay", 1, 0, [r], 1.0)
+    assert m.decode_ms_per_token["large"] == pytest.approx(20.0)
+
+
+def test_the_speculative_app_and_its_schedule():
+    from relay_serve.bench.bench import default_pair, parse_schedule, spec_app
+
+    assert parse_schedule("1-31:8,32-63:4,64-:0") == [(1, 31, 8), (32, 63, 4), (64, 1 << 16, 0)]
+    assert parse_schedule("none") is None
+    for bad in ("2-31:8", "1-31", "1-31:x", "1-0:4", "1-9:-1"):
+        with pytest.raises(ValueError):
+            parse_schedule(bad)
+    cfg = default_pair()
+    spec = spec_app(cfg, 8, parse_schedule("1-31:8,32-:0"))
+    draft = spec.large.engine_args["speculative_config"]
+    assert (spec.name, spec.route_prefix, draft["method"], draft["model"]) == ("spec", "/spec", "draft_model", cfg.small.model_path)
+    assert draft["num_speculative_tokens"] == 8 and draft["num_speculative_tokens_per_batch_size"] == [[1, 31, 8], [32, 1 << 16, 0]]
+    assert "speculative_config" not in cfg.large.engine_args  # the default app is left as it was
+    assert spec.cues.store_uri == cfg.cues.store_uri  # the same pair: the same calibrated cues
+
+
+def test_the_sweep_serves_the_shortest_exact_draft_within_two_percent_of_the_fastest():
+    from relay_serve.bench.spec_sweep import BatchFigures, DraftLength, SweepReport
+
+    def k(n, speeds, same=1.0):
+        return DraftLength(k=n, batches=[BatchFigures(batch=b, tok_s=v, acceptance_length=None, same_text_as_k0=same, pass_at_1=1.0)
+                                         for b, v in zip((1, 8, 32, 64), speeds)])  # fmt: skip
+
+    report = SweepReport(model="l", draft="s", problems=64, resumable="fails", ks=[
+        k(0, [100, 400, 800, 900]), k(2, [200, 700, 960, 950]), k(8, [340, 800, 930, 905]),
+        k(12, [345, 790, 915, 700]), k(16, [400, 900, 990, 999], same=0.9),  # fastest, but not exact: never chosen
+    ])  # fmt: skip
+    assert [report.best_k(b) for b in (1, 8, 32, 64)] == [8, 8, 2, 2]  # 12 is faster at 1, but within 2%
+    assert report.schedule() == [[1, 31, 8], [32, 1 << 16, 2]]
+    assert "1-31" not in report.table() and "[[1, 31, 8], [32, 65536, 2]]" in report.table()

@@ -7,7 +7,7 @@ import pytest
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 
 PROMPT = "Start at b3. Follow the map four times."
-MODELS = ["relay", "large", "small", "speculative-thinking"]
+MODELS = ["relay", "large", "small", "speculative-thinking", "auto"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_models_are_listed(client):
     assert [m.id for m in client.models.list().data] == MODELS
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS[:4])  # auto may choose differently for the two calls
 def test_chat_streamed_equals_non_streamed_and_usage_adds_up(client, model):
     resp = _chat(client, model, seed=11, temperature=0.7)
     text = resp.choices[0].message.content
@@ -159,3 +159,14 @@ def test_a_client_that_goes_away_cancels_its_engine_requests(relay_app, stream):
         assert time.perf_counter() - gone < full_s / 2, "the engine request ran on after its client went away"
         time.sleep(0.05)
     assert httpx.get(relay_app + "/v1/relay/stats", timeout=10).json()["in_flight"] == 0
+
+
+def test_auto_runs_as_relay_or_large_and_says_which(client):
+    seen = set()
+    for i in range(4):
+        resp = _chat(client, "auto", seed=i)
+        relay = resp.usage.model_extra["relay"]
+        seen.add(relay["policy"])
+        assert "\\boxed{" in resp.choices[0].message.content
+        assert relay["small_tokens"] == 0 if relay["policy"] == "large" else relay["switches"] > 0
+    assert seen == {"relay", "large"}  # its first generations try both

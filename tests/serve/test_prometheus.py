@@ -105,17 +105,28 @@ def wait_for(prometheus: str, promql: str, expected: float, timeout_s: float = 1
         time.sleep(1)
 
 
-async def send_requests(url: str) -> list[dict]:
-    """N_PLAIN plain and N_STREAMED streamed relay requests, four at a time; their usage."""
+def wait_for_series(prometheus: str, promql: str, timeout_s: float = 60) -> list:
+    """The series ``promql`` returns once it returns any (Ray's agent exports a new series at its
+    next report, and Prometheus sees it at its next scrape), or [] after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while not (found := query(prometheus, promql)) and time.time() < deadline:
+        time.sleep(1)
+    return found
+
+
+async def send_requests(url: str, model: str = "relay", n: int | None = None) -> list[dict]:
+    """N_PLAIN plain and N_STREAMED streamed relay requests (or ``n`` plain ones of ``model``), four
+    at a time; their usage."""
     from relay_serve.eval.datasets import load_problems
 
-    problems = [p.problem for p in load_problems("toy", N_PLAIN + N_STREAMED, seed=7)]
+    problems = [p.problem for p in load_problems("toy", n or N_PLAIN + N_STREAMED, seed=7)]
+    plain = n or N_PLAIN
     gate = asyncio.Semaphore(4)
 
     async def one(client: httpx.AsyncClient, i: int, prompt: str) -> dict:
-        body = {"model": "relay", "messages": [{"role": "user", "content": prompt}], "max_tokens": 300, "seed": i}
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 300, "seed": i}
         async with gate:
-            if i < N_PLAIN:
+            if i < plain:
                 r = await client.post(url + "/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()["usage"]
@@ -164,11 +175,17 @@ def test_prometheus_counts_exactly_what_the_responses_say(prometheus, metrics_ap
     assert wait_for(prometheus, f'count(relay_serve_leases{{{sel}}})', 4) == 4  # large/small x held/idle
     for model in ("large", "small"):
         for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_kv_cache_usage_perc"):
-            assert query(prometheus, f'{name}{{model_name="{model}"}}'), f"{name} of {model}"
+            assert wait_for_series(prometheus, f'{name}{{model_name="{model}"}}'), f"{name} of {model}"
         # prefix-cache hit rate = hits / queries (Ray exports a counter once it moved: no series is 0 hits)
         queries = scalar(prometheus, f'sum(ray_vllm_prefix_cache_queries_total{{model_name="{model}"}})')
         hits = scalar(prometheus, f'sum(ray_vllm_prefix_cache_hits_total{{model_name="{model}"}})') or 0.0
         assert queries and queries > 0 and 0 <= hits <= queries, (model, queries, hits)
+    # the auto model: its generations by the policy it chose, as the responses say
+    chosen = [u["relay"]["policy"] for u in asyncio.run(send_requests(metrics_app, model="auto", n=4))]
+    for policy in ("relay", "large"):
+        expected = chosen.count(policy)
+        found = wait_for(prometheus, f'sum(relay_serve_auto_choices_total{{{sel},policy="{policy}"}})', expected) or 0
+        assert found == expected, (policy, chosen)
 
 
 def test_every_dashboard_query_runs_and_has_data(prometheus, metrics_app):

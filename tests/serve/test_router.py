@@ -55,7 +55,7 @@ def chat(model="relay", **extra):
 def test_models_and_health():
     router, _ = make_router()
     ids = [m["id"] for m in call(router, "GET", "/v1/models").json()["data"]]
-    assert ids == ["relay", "large", "small", "speculative-thinking"]
+    assert ids == ["relay", "large", "small", "speculative-thinking", "auto"]
     health = call(router, "GET", "/health").json()
     assert health["status"] == "ok" and health["cue_set"]["version"] == "default"
 
@@ -280,4 +280,26 @@ def test_bad_request_cues_are_a_400_naming_the_field(cues, why):
 def test_request_cues_apply_to_relay_only():
     router, _ = make_router()
     r = call(router, "POST", "/v1/chat/completions", chat("large", relay_cues=["Thus,"]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"
+
+
+def test_auto_runs_each_generation_as_relay_or_large_and_learns_their_speed():
+    """The scripted models write the same text either way: auto's first generations try both
+    paths (relay first), say which in usage.relay.policy, and the router's stats show what it
+    learned; a request's own cues are relay's alone."""
+    router, backend = make_router()
+    policies = []
+    for _ in range(10):
+        r = call(router, "POST", "/v1/chat/completions", chat("auto"))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == REF and body["model"] == "auto"
+        policies.append(body["usage"]["relay"]["policy"])
+        if policies[-1] == "large":
+            assert body["usage"]["relay"]["small_tokens"] == 0
+    assert policies[:8].count("relay") == policies[:8].count("large") == 4  # learning: four of each
+    level = call(router, "GET", "/v1/relay/stats").json()["auto"]["1"]
+    assert level["relay"]["samples"] + level["large"]["samples"] == 10 and level["large"]["ms_per_token"] > 0
+    assert "policy" not in call(router, "POST", "/v1/chat/completions", chat("relay")).json()["usage"]["relay"]
+    r = call(router, "POST", "/v1/chat/completions", chat("auto", relay_cues=["Thus,"]))
     assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"

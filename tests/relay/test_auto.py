@@ -1,0 +1,56 @@
+"""The auto model's chooser: it learns each path's speed per load level and takes the faster one,
+still running the other one generation in ``explore_every``, and follows a change of speed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from relay_serve.relay.auto import AutoChooser, AutoSettings, bucket
+
+
+def test_load_levels_are_powers_of_two():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 33, 64, 100)] == [1, 1, 2, 2, 4, 4, 8, 16, 32, 32, 64, 64]
+
+
+def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) -> Counter:
+    """``n`` generations at ``load``, each path taking its ``s_per_token`` for 100 tokens."""
+    chosen = Counter()
+    for _ in range(n):
+        path = chooser.choose(load)
+        chosen[path] += 1
+        chooser.record(path, load, s_per_token[path] * 100, 100)
+    return chosen
+
+
+def test_it_tries_both_then_takes_the_faster_path_per_load_level():
+    chooser = AutoChooser(AutoSettings(min_samples=4, explore_every=20))
+    low = run(chooser, 1, 200, {"relay": 0.010, "large": 0.013})  # relay faster when the engines are idle
+    high = run(chooser, 32, 200, {"relay": 0.006, "large": 0.005})  # large faster under load
+    # 4 of each to learn, then one in 20 explores the slower path
+    assert low["large"] == pytest.approx(4 + 196 / 20, abs=2) and low["relay"] > 180
+    assert high["relay"] == pytest.approx(4 + 196 / 20, abs=2) and high["large"] > 180
+    state = chooser.state()
+    assert state["1"]["relay"]["ms_per_token"] == pytest.approx(10.0) and state["32"]["large"]["ms_per_token"] == pytest.approx(5.0)
+
+
+def test_it_follows_a_path_that_became_slower():
+    chooser = AutoChooser(AutoSettings(min_samples=2, explore_every=5, smoothing=0.5))
+    run(chooser, 8, 50, {"relay": 0.010, "large": 0.020})
+    later = run(chooser, 8, 100, {"relay": 0.030, "large": 0.020})  # relay's engines got slower
+    assert later["large"] > 75
+
+
+def test_failed_or_empty_generations_teach_nothing():
+    chooser = AutoChooser()
+    chooser.record("relay", 1, 0.0, 0)
+    chooser.record("large", 1, 1.0, 0)
+    assert chooser.state() == {}
+    assert [chooser.choose(1) for _ in range(2)] == ["relay", "large"]  # still learning: both, relay first
+
+
+def test_a_burst_at_a_new_load_level_tries_both_paths():
+    chooser = AutoChooser(AutoSettings(min_samples=4))
+    burst = [chooser.choose(8) for _ in range(8)]  # all start before any finished
+    assert burst.count("relay") == burst.count("large") == 4
