@@ -204,6 +204,26 @@ def eval_cmd(
     typer.echo(json.dumps({k: getattr(summary, k) for k in keys}))
 
 
+def recorded_command(argv: list[str]) -> str:
+    """The command line a report records to be run again: the output folder is the reader's own
+    (``--out DIR``), so no machine's path ends up in a committed report."""
+    import shlex
+
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            args.append("DIR")
+            skip = False
+        elif a == "--out":
+            args.append(a)
+            skip = True
+        elif a.startswith("--out="):
+            args.append("--out=DIR")
+        else:
+            args.append(shlex.quote(a))
+    return "relay-serve " + " ".join(args)
+
+
 @app.command("bench")
 def bench_cmd(
     concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
@@ -280,7 +300,7 @@ def bench_cmd(
     )
     cfg = _load_config(config) if config is not None else None
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
-    command = "relay-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = recorded_command(sys.argv[1:])
     report = run_bench(s, folder, cfg=cfg, progress=not as_json, command=command)
     if as_json:
         for line in summary_lines(report):

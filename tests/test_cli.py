@@ -57,3 +57,10 @@ def test_cues_history_rollback_and_unpin(tmp_path):
     assert r.exit_code == 2 and "no version 'v7'" in r.output
     assert runner.invoke(app, ["cues", "unpin", "--config", str(cfg)]).output.strip() == "unpinned v1"
     assert store.pinned() is None
+
+
+def test_a_report_records_its_command_without_the_machines_output_folder():
+    from relay_serve.cli import recorded_command
+
+    assert recorded_command(["bench", "--concurrency", "1,8", "--out", "/home/me/runs/x", "--json"]) == "relay-serve bench --concurrency 1,8 --out DIR --json"
+    assert recorded_command(["bench", "--out=/tmp/a b"]) == "relay-serve bench --out=DIR"
