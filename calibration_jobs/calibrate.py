@@ -114,7 +114,7 @@ class _EngineWorker:
         from relay_serve.engine.vllm_engine import OfflineEngine
 
         m = ModelSettings.model_validate(model)
-        self.engine = OfflineEngine(m.model_path, m.engine_args)
+        self.engine = OfflineEngine(m.model_path, m.resolved_engine_args)
 
     def traces(self, prompts: list[list[int]], k: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
         expanded = [p for p in prompts for _ in range(k)]

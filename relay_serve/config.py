@@ -122,6 +122,15 @@ class ModelSettings(Strict):
         value = self.engine_args.get("max_model_len")
         return int(value) if value is not None else None
 
+    @property
+    def resolved_engine_args(self) -> dict[str, Any]:
+        """The engine arguments as vLLM takes them: a draft model named ``toy:small`` in
+        ``speculative_config`` becomes its path (the engine arguments are otherwise passed as they are)."""
+        spec = self.engine_args.get("speculative_config")
+        if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+            return {**self.engine_args, "speculative_config": {**spec, "model": resolve_model(spec["model"])}}
+        return dict(self.engine_args)
+
 
 def resolve_model(ref: str) -> str:
     """A model reference as a path or hub id: ``toy:large`` and ``toy:small`` are folders of this

@@ -113,7 +113,7 @@ def spec_app(cfg: AppConfig, k: int, schedule: list[tuple[int, int, int]] | None
     """The same app with a large engine that speculates with the small model as its draft model
     (up to ``k`` tokens a step; by ``schedule`` at each batch size), served beside it under ``/spec``."""
     spec = cfg.model_copy(deep=True, update={"name": SPEC_APP, "route_prefix": f"/{SPEC_APP}"})
-    draft: dict[str, Any] = {"method": "draft_model", "model": cfg.small.model_path, "num_speculative_tokens": k}
+    draft: dict[str, Any] = {"method": "draft_model", "model": cfg.small.model, "num_speculative_tokens": k}
     if schedule:
         draft["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
     spec.large.engine_args = {**spec.large.engine_args, "speculative_config": draft}

@@ -112,7 +112,7 @@ def _engine(model: str, draft: str, k: int):
     from relay_serve.engine.vllm_engine import OfflineEngine
 
     m = ModelSettings(model=model)
-    args = dict(m.engine_args)
+    args = m.resolved_engine_args
     if k:
         args["speculative_config"] = {"method": "draft_model", "model": resolve_model(draft), "num_speculative_tokens": k}
     return OfflineEngine(m.model_path, {**args, "disable_log_stats": False})

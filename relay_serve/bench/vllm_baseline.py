@@ -59,7 +59,7 @@ class VLLMServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model.model_path, "--tokenizer", self.model.tokenizer_path, "--served-model-name", self.served_name,
             "--host", self.host, "--port", str(self.port),
-            *engine_cli_args(self.model.engine_args),
+            *engine_cli_args(self.model.resolved_engine_args),
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:

@@ -48,7 +48,7 @@ class ModelServer:
 
         cfg = ModelSettings.model_validate(settings)
         # served_model_name labels the engine's own metrics (model_name="large" or "small")
-        args = (cfg.model_path, cfg.tokenizer_path, {"served_model_name": role, **cfg.engine_args})
+        args = (cfg.model_path, cfg.tokenizer_path, {"served_model_name": role, **cfg.resolved_engine_args})
         if engine_cls is None:
             from relay_serve.engine.vllm_engine import VLLMEngine
 

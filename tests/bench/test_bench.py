@@ -248,7 +248,8 @@ def test_the_speculative_app_and_its_schedule():
     cfg = default_pair()
     spec = spec_app(cfg, 8, parse_schedule("1-31:8,32-:0"))
     draft = spec.large.engine_args["speculative_config"]
-    assert (spec.name, spec.route_prefix, draft["method"], draft["model"]) == ("spec", "/spec", "draft_model", cfg.small.model_path)
+    assert (spec.name, spec.route_prefix, draft["method"], draft["model"]) == ("spec", "/spec", "draft_model", "toy:small")
+    assert spec.large.resolved_engine_args["speculative_config"]["model"] == cfg.small.model_path
     assert draft["num_speculative_tokens"] == 8 and draft["num_speculative_tokens_per_batch_size"] == [[1, 31, 8], [32, 1 << 16, 0]]
     assert "speculative_config" not in cfg.large.engine_args  # the default app is left as it was
     assert spec.cues.store_uri == cfg.cues.store_uri  # the same pair: the same calibrated cues

@@ -141,6 +141,19 @@ def test_toy_wide_config_is_the_default_with_the_wide_large_model():
     assert wide.model_dump(exclude=same) == AppConfig().model_dump(exclude=same)
 
 
+def test_toy_wide_spec_config_is_the_benchs_speculative_app():
+    """configs/toy-wide-spec-cpu.yaml is what `relay-serve bench` serves as large+spec: the wide
+    pair, the small model as the large engine's draft model, the sweep's schedule."""
+    from relay_serve.bench.bench import SPEC_SCHEDULE, default_pair, spec_app
+
+    committed = AppConfig.from_yaml(ROOT / "configs" / "toy-wide-spec-cpu.yaml")
+    bench = spec_app(default_pair(), 8, list(SPEC_SCHEDULE))
+    assert committed.large.engine_args == bench.large.engine_args
+    assert committed.large.resolved_engine_args["speculative_config"]["model"] == committed.small.model_path  # what vLLM gets
+    same = {"cues": True, "name": True, "route_prefix": True}
+    assert committed.model_dump(exclude=same | {"large": {"engine_args"}}) == bench.model_dump(exclude=same | {"large": {"engine_args"}})
+
+
 def _groups(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cluster = spec.get("rayClusterConfig") or spec["rayClusterSpec"]
     return {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
