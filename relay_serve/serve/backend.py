@@ -24,7 +24,7 @@ from relay_serve.serve.transport import DirectTransport, HandleTransport
 log = logging.getLogger(__name__)
 
 TRAITS_TTL_S = 60.0  # a model's engine traits are asked again after this long (a rolling upgrade may change them)
-TRAITS_TIMEOUT_S = 5.0  # a deployment that does not say within this long (starting, scaled to zero) is asked again soon
+TRAITS_TIMEOUT_S = 5.0  # the longest a request waits for traits never known (a deployment starting or scaled to zero)
 
 
 class ServeBackend(Backend):
@@ -44,7 +44,7 @@ class ServeBackend(Backend):
     ) -> None:
         handles = self.handles = {"large": large, "small": small}
         self._traits: dict[str, tuple[float, EngineTraits]] = {}
-        self._traits_locks = {"large": asyncio.Lock(), "small": asyncio.Lock()}
+        self._traits_fetch: dict[str, asyncio.Future[EngineTraits]] = {}
         if transport == "direct":
             self.transport: DirectTransport | HandleTransport = DirectTransport(
                 handles,
@@ -76,21 +76,37 @@ class ServeBackend(Backend):
 
     async def traits(self, model: ModelRole) -> EngineTraits:
         """What ``model``'s engine runs correctly, as one of its replicas says (``ModelServer.info``),
-        kept for ``TRAITS_TTL_S``. A deployment that does not answer in time gives no limits for
-        now (its replicas still refuse what their engine cannot run) and is asked again in a few seconds."""
-        async with self._traits_locks[model]:
-            now = time.monotonic()
+        kept for ``TRAITS_TTL_S`` and then refreshed in the background (the known traits serve
+        meanwhile). Only a router's first request for a model waits, and for at most
+        ``TRAITS_TIMEOUT_S``: a deployment that has not answered by then (starting, scaled to zero)
+        gives no limits until it does; its replicas still refuse what their engine cannot run."""
+        cached = self._traits.get(model)
+        if cached is not None and time.monotonic() < cached[0]:
+            return cached[1]
+        fetch = self._traits_fetch.get(model)
+        if fetch is None or fetch.done():
+            fetch = self._traits_fetch[model] = asyncio.ensure_future(self._fetch_traits(model))
+        if cached is not None:
+            return cached[1]
+        try:
+            return await asyncio.wait_for(asyncio.shield(fetch), TRAITS_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the %s deployment did not say within %.0f s what its engine runs; asking on in the background", model, TRAITS_TIMEOUT_S)
+            self._traits.setdefault(model, (time.monotonic() + TRAITS_TIMEOUT_S, EngineTraits()))
+            return EngineTraits()
+
+    async def _fetch_traits(self, model: ModelRole) -> EngineTraits:
+        try:
+            info = await asyncio.wait_for(self.handles[model].info.remote(), TRAITS_TTL_S)
+        except Exception as e:  # noqa: BLE001 - unknown for now; the replicas keep their own guard
+            log.warning("the %s deployment did not say what its engine runs (%s: %s)", model, type(e).__name__, e)
             cached = self._traits.get(model)
-            if cached is not None and now < cached[0]:
-                return cached[1]
-            try:
-                info = await asyncio.wait_for(self.handles[model].info.remote(), TRAITS_TIMEOUT_S)
-                traits, ttl = EngineTraits.model_validate(info.get("traits") or {}), TRAITS_TTL_S
-            except Exception as e:  # noqa: BLE001 - unknown for now; the replicas keep their own guard
-                log.warning("the %s deployment did not say what its engine runs (%s: %s)", model, type(e).__name__, e)
-                traits, ttl = (cached[1] if cached is not None else EngineTraits()), TRAITS_TIMEOUT_S
-            self._traits[model] = (now + ttl, traits)
+            traits = cached[1] if cached is not None else EngineTraits()
+            self._traits[model] = (time.monotonic() + TRAITS_TIMEOUT_S, traits)
             return traits
+        traits = EngineTraits.model_validate(info.get("traits") or {})
+        self._traits[model] = (time.monotonic() + TRAITS_TTL_S, traits)
+        return traits
 
     def prepare(self, session_id: str, models: Iterable[ModelRole]) -> None:
         self.transport.prepare(session_id, [m for m in models if m != "small" or self.small_refusal() is None])

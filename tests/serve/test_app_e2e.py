@@ -137,8 +137,9 @@ def _replicas_idle() -> bool:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_cancels_its_engine_requests(relay_app, stream):
-    """A generation of 900 tokens (about 2 s here) whose client goes away after its first chunk
-    (streamed) or 0.3 s (not): nothing is left running on the replicas soon after."""
+    """A generation of 900 tokens (1-2 s here) whose client goes away after its first chunk
+    (streamed) or 0.2 s (not): the replicas are idle well before that generation would have ended
+    had it run on."""
     import time
 
     import httpx
@@ -147,16 +148,16 @@ def test_a_client_that_goes_away_cancels_its_engine_requests(relay_app, stream):
     t0 = time.perf_counter()
     whole = httpx.post(relay_app + "/v1/completions", json=body, timeout=120).json()
     full_s = time.perf_counter() - t0
-    assert whole["choices"][0]["finish_reason"] == "length" and full_s > 1.0  # long enough to cut short
+    assert whole["choices"][0]["finish_reason"] == "length" and full_s > 0.6  # long enough to cut short
+    cut = time.perf_counter()
     if stream:
         with httpx.stream("POST", relay_app + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             next(r.iter_lines())
     else:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(relay_app + "/v1/completions", json=body, timeout=0.3)
-    gone = time.perf_counter()
+            httpx.post(relay_app + "/v1/completions", json=body, timeout=0.2)
     while not _replicas_idle():
-        assert time.perf_counter() - gone < full_s / 2, "the engine request ran on after its client went away"
+        assert time.perf_counter() - cut < 0.8 * full_s, "the engine request ran on after its client went away"
         time.sleep(0.05)
     assert httpx.get(relay_app + "/v1/relay/stats", timeout=10).json()["in_flight"] == 0
 

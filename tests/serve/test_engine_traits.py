@@ -121,3 +121,52 @@ def test_the_model_replica_refuses_a_sampled_segment_without_calling_its_engine(
     assert out[-1].finished and out[-1].token_ids == [7, 8, 9]
     assert [r.sampling.temperature for r in seen] == [0.0]  # the sampled segment never reached the engine
     assert stats["channels"] == 1
+
+
+class InfoHandle:
+    """A deployment's handle for ``info`` only: it answers once ``up`` is set (a deployment scaled
+    to zero or starting never answers before)."""
+
+    def __init__(self, traits: EngineTraits) -> None:
+        self.traits, self.up, self.calls = traits, asyncio.Event(), 0
+
+    @property
+    def info(self):
+        return self
+
+    def remote(self):
+        self.calls += 1
+
+        async def answer():
+            await self.up.wait()
+            return {"traits": self.traits.model_dump()}
+
+        return answer()
+
+
+def test_a_deployment_that_does_not_answer_delays_only_the_first_request(monkeypatch):
+    """The small deployment at zero replicas never answers ``info``: the first request waits the
+    bound, later ones not at all (before, each waited the bound again once it expired); when the
+    deployment answers, its traits are used."""
+    import relay_serve.serve.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "TRAITS_TIMEOUT_S", 0.2)
+
+    async def go():
+        small = InfoHandle(GREEDY_ONLY)
+        backend = ServeBackend(FakeHandle(None), small, transport="handle")
+        waits = []
+        for _ in range(3):
+            t0 = asyncio.get_running_loop().time()
+            assert await backend.traits("small") == EngineTraits()  # unknown: no limits for now
+            waits.append(asyncio.get_running_loop().time() - t0)
+            await asyncio.sleep(0.25)  # past the provisional entry's expiry
+        small.up.set()
+        await asyncio.sleep(0.01)
+        answered = await backend.traits("small")
+        return waits, answered, small.calls
+
+    waits, answered, calls = asyncio.run(go())
+    assert waits[0] >= 0.2 and max(waits[1:]) < 0.05, waits
+    assert answered == GREEDY_ONLY
+    assert calls == 1  # one question in flight at a time, not one per request

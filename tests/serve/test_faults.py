@@ -68,10 +68,21 @@ def replicas(deployment: str) -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
 
-def kill_one(deployment: str) -> str:
+def kill_one(deployment: str, busy_within_s: float = 5.0) -> str:
+    """Kill a replica of ``deployment``: the first one seen with a segment in its engine (asked by
+    ``info`` through the deployment's handle, which answers from any replica), else after
+    ``busy_within_s`` the first by name."""
     import ray
+    from ray import serve
 
-    name = replicas(deployment)[0]
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    handle = serve.get_deployment_handle(deployment, app_name=APP)
+    name, deadline = None, time.monotonic() + busy_within_s
+    while name is None and time.monotonic() < deadline:
+        info = handle.info.remote().result(timeout_s=5)
+        if info["requests_in_flight"] > 0:
+            name = prefix + info["replica_id"]
+    name = name if name in replicas(deployment) else replicas(deployment)[0]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     return name
 
@@ -149,7 +160,7 @@ async def run_with_a_kill(url: str, deployment: str, seed: int, before_s: float 
         tasks = [asyncio.create_task(client_loop(client, k)) for k in range(N_REQUESTS)]
         await started.wait()
         await asyncio.sleep(before_s)
-        killed = kill_one(deployment)
+        killed = await asyncio.to_thread(kill_one, deployment)  # the clients stream on meanwhile
         stop_at[0] = time.monotonic() + after_s
         results = [r for rs in await asyncio.gather(*tasks) for r in rs]
     return results, killed
