@@ -18,13 +18,15 @@ case, and each stop string takes the one that pauses less:
   must start a word too: ``"so "`` pauses after ``" so"``, never after ``"also"``.
 
 Every pause that stops nothing costs a round trip (a decode step for that request when the engine
-is busy). :class:`PauseTokens` computes the pause token ids from the vocabulary's texts;
+is busy). :class:`PauseTokens` finds the pause token ids in an index of the vocabulary's texts;
 :func:`first_stop` and :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from array import array
+from bisect import bisect_left
+from collections.abc import Collection, Iterable, Sequence
 from functools import lru_cache
 
 
@@ -38,40 +40,81 @@ def ends_with_space(stop: str) -> bool:
 
 class PauseTokens:
     """The pause token ids of sets of stop strings, for one vocabulary (``texts[i]`` is the
-    decoded text of token ``i`` alone)."""
+    decoded text of token ``i`` alone).
+
+    Built once per vocabulary (about a second for 151,936 texts; a replica builds it at start-up):
+    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, and the
+    texts' ids by text. The pause ids of a stop list then come from range lookups: tokens that
+    start with a string (a range of the sorted texts), end with one (of the reversed), hold one
+    (of the suffixes), or are one. A query costs the log of the vocabulary's size per string looked
+    up plus the ids it finds, never a pass over the vocabulary."""
 
     def __init__(self, texts: Sequence[str]) -> None:
         self.texts = list(texts)
+        self._prefixes = _Sorted(self.texts, [i for i, t in enumerate(self.texts) if t])
+        self._reversed = _Sorted([t[::-1] for t in self.texts], [i for i, t in enumerate(self.texts) if t])
+        # every suffix of every text, as (token id, offset): a token holds s where one starts with s
+        pairs = [(i, k) for i, t in enumerate(self.texts) for k in range(len(t))]
+        self._suffixes = _Sorted(self.texts, array("i", (i for i, _ in pairs)), array("i", (k for _, k in pairs)))
+        self._exact: dict[str, list[int]] = {}
+        for i, t in enumerate(self.texts):
+            self._exact.setdefault(t, []).append(i)
+        self._partial = frozenset(i for i, t in enumerate(self.texts) if "\ufffd" in t)  # pieces of a multi-byte character
         self.ids = lru_cache(maxsize=256)(self._ids)
 
     def _ids(self, stops: tuple[str, ...], word_stops: frozenset[str] = frozenset()) -> frozenset[int]:
         """Token ids after which a request with these stop strings must pause."""
-        starts: set[str] = set()  # a token starting with one of these may complete a stop
-        ends: dict[str, bool] = {}  # one ending with one of these may end a proper prefix (look ahead);
-        # True: only where that prefix starts a word (a word stop's)
-        inner: set[str] = set()  # one that is exactly one of these may continue such a prefix
+        out: set[int] = set()
         for s in stops:
+            out.update(self._suffixes.starting_with(s))  # tokens that hold the whole stop
             if _looks_ahead(s, word_stops):
                 at_word_start = s in word_stops and _is_word_char(s[0])
                 for j in range(1, len(s)):
-                    ends[s[:j]] = ends.get(s[:j], True) and at_word_start
-                    inner.update(s[i:j] for i in range(1, j))
+                    prefix = s[:j]
+                    # tokens that end a proper prefix (where it starts a word, for a word stop's)
+                    ends = self._reversed.starting_with(prefix[::-1])
+                    out.update(ends if not at_word_start else (i for i in ends if _ends_with(self.texts[i], prefix, True)))
+                    for i in range(1, j):  # tokens that are exactly a piece of a prefix spread over several
+                        out.update(self._exact.get(s[i:j], ()))
             else:
-                starts.update(s[j:] for j in range(1, len(s)))
-        non_ascii = any(not s.isascii() for s in stops)
-        out = set()
-        for tid, text in enumerate(self.texts):
-            if not text:
-                continue
-            if (
-                any(s in text for s in stops)
-                or text in inner
-                or any(text.startswith(x) for x in starts)
-                or any(_ends_with(text, e, word) for e, word in ends.items())
-                or (non_ascii and "\ufffd" in text)  # a piece of a multi-byte character
-            ):
-                out.add(tid)
+                for j in range(1, len(s)):  # tokens that start with the rest of a proper prefix
+                    out.update(self._prefixes.starting_with(s[j:]))
+        if any(not s.isascii() for s in stops):
+            out.update(self._partial)
         return frozenset(out)
+
+
+class _Sorted:
+    """The ids of tokens sorted by a string of each (``keys[id][offset:]``), for the ids whose
+    string starts with a given one."""
+
+    def __init__(self, keys: Sequence[str], ids: Sequence[int], offsets: Sequence[int] | None = None) -> None:
+        self._keys, self._offsets = keys, offsets
+        order = sorted(range(len(ids)), key=lambda n: self._key_of(ids, n))
+        self.ids = array("i", (ids[n] for n in order))
+        self.offsets = array("i", (offsets[n] for n in order)) if offsets is not None else None
+
+    def _key_of(self, ids: Sequence[int], n: int) -> str:
+        text = self._keys[ids[n]]
+        return text[self._offsets[n] :] if self._offsets is not None else text
+
+    def _key(self, n: int) -> str:
+        text = self._keys[self.ids[n]]
+        return text[self.offsets[n] :] if self.offsets is not None else text
+
+    def starting_with(self, prefix: str) -> Sequence[int]:
+        positions = range(len(self.ids))
+        lo = bisect_left(positions, prefix, key=self._key)
+        after = _after_all_starting_with(prefix)
+        hi = bisect_left(positions, after, lo, key=self._key) if after is not None else len(self.ids)
+        return self.ids[lo:hi]
+
+
+def _after_all_starting_with(prefix: str) -> str | None:
+    """The least string greater than every string that starts with ``prefix`` (None: no string is)."""
+    while prefix and prefix[-1] == "\U0010ffff":
+        prefix = prefix[:-1]
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
 
 
 def _looks_ahead(stop: str, word_stops: Collection[str]) -> bool:

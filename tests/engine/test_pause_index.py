@@ -1,0 +1,85 @@
+"""Pause token ids come from an index of the vocabulary, and are exactly what a scan of every token
+text against the rules finds (the oracle below applies the rules of engine/stops.py's docstring to
+one token at a time), on random vocabularies and stop lists and on a vocabulary of Qwen3's size."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relay_serve.engine.stops import PauseTokens
+from relay_serve.toy.vocab import QWEN3_VOCAB_SIZE, SPECIAL_TOKENS, synthetic_vocab
+
+
+def _word_char(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+def must_pause(text: str, stops: tuple[str, ...], word_stops: frozenset[str]) -> bool:
+    """Whether a request with these stops must pause after a token whose text alone is ``text``."""
+    if not text:
+        return False
+    if any(not s.isascii() for s in stops) and "\ufffd" in text:
+        return True  # a piece of a multi-byte character: what it completes is not known yet
+    for s in stops:
+        if s in text:
+            return True  # it completes a stop on its own
+        if s[-1].isspace() or s in word_stops:  # caught by looking one token ahead
+            word = s in word_stops and _word_char(s[0])
+            for j in range(1, len(s)):
+                head = s[:j]
+                before = text[: len(text) - j]
+                if text.endswith(head) and not (word and before and _word_char(before[-1])):
+                    return True  # it may end the start of the stop
+                if any(text == s[i:j] for i in range(1, j)):
+                    return True  # it may continue a start spread over several tokens
+        elif any(text.startswith(s[j:]) for j in range(1, len(s))):
+            return True  # it may complete a stop begun before it
+    return False
+
+
+def scan(texts, stops, word_stops=frozenset()) -> frozenset[int]:
+    return frozenset(i for i, t in enumerate(texts) if must_pause(t, stops, word_stops))
+
+
+ALPHABET = "ab ,.\nTh\ufffdé_"
+texts_st = st.lists(st.text(alphabet=ALPHABET, min_size=0, max_size=5), min_size=1, max_size=60)
+stop_st = st.text(alphabet=ALPHABET, min_size=1, max_size=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts=texts_st, stops=st.lists(stop_st, min_size=1, max_size=4), word=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_the_index_finds_what_a_scan_finds(texts, stops, word):
+    word_stops = frozenset(s for s, w in zip(stops, word) if w)
+    assert PauseTokens(texts).ids(tuple(stops), word_stops) == scan(texts, tuple(stops), word_stops)
+
+
+def test_a_vocabulary_of_qwen3s_size_is_shaped_like_a_byte_level_bpe():
+    texts = synthetic_vocab()
+    assert len(texts) == QWEN3_VOCAB_SIZE and texts[-len(SPECIAL_TOKENS) :] == SPECIAL_TOKENS
+    assert texts[:256].count("\ufffd") > 100  # bytes that are pieces of multi-byte characters
+    sample = texts[256:-len(SPECIAL_TOKENS)]
+    spaced = [t for t in sample if t.startswith(" ") and t[1:].isalpha()]
+    bare = [t for t in sample if t.isalpha() and t.isascii()]
+    assert len(spaced) > 30_000 and len(bare) > 20_000  # words with and without a leading space
+    assert any(t.endswith(",") and t[:-1].strip().isalpha() for t in sample)  # punctuation glued to words
+    assert {"\n", "\n\n", ".\n\n", " ", ",", "0", "9"} <= set(texts)
+    assert any(not t.isascii() and "\ufffd" not in t and len(t) > 1 for t in sample)  # words with multi-byte characters
+    assert len(set(sample)) == len(sample)
+
+
+def test_on_a_vocabulary_of_qwen3s_size_too():
+    texts = synthetic_vocab()
+    pauses = PauseTokens(texts)
+    rng = random.Random(0)
+    words = [t.strip() for t in rng.sample(texts[300:-30], 8)]
+    cases = [
+        (("Thus,", "Therefore,", "Wait,", "</think>"), frozenset({"Thus,", "Therefore,", "Wait,"})),
+        ((". ", "\n\n", "so "), frozenset({"so "})),
+        (tuple(w + ", " for w in words), frozenset()),
+        (("é.", "中文", "</answer>"), frozenset()),
+    ]
+    for stops, word_stops in cases:
+        assert pauses.ids(stops, word_stops) == scan(texts, stops, word_stops), stops
