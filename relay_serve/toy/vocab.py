@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from functools import cache
+from pathlib import Path
 
 QWEN3_VOCAB_SIZE = 151_936
 SPECIAL_TOKENS = (
@@ -87,3 +88,29 @@ def synthetic_vocab(size: int = QWEN3_VOCAB_SIZE, seed: int = 0) -> tuple[str, .
         i += 1
     texts.extend(SPECIAL_TOKENS)
     return tuple(texts)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tokenizer(path: Path, size: int = QWEN3_VOCAB_SIZE) -> Path:
+    """A transformers fast tokenizer over :func:`synthetic_vocab` in ``path`` (``AutoTokenizer``
+    loads it): a unigram model whose pieces are the token texts (a piece of a multi-byte character
+    is a byte token, as in a byte-level BPE), decoding by concatenation, the special tokens as
+    special tokens, a ChatML template. Each id decodes alone to ``synthetic_vocab()[id]``."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    texts = synthetic_vocab(size)
+    pieces = [(f"<0x{i:02X}>" if t == "\ufffd" else t, -20.0 if i < 256 else -(len(t) ** 0.5)) for i, t in enumerate(texts)]
+    tok = Tokenizer(models.Unigram(pieces, unk_id=None, byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return path

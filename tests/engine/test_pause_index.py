@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay_serve.engine.stops import PauseTokens
+from relay_serve.engine.stops import PauseTokens, scan_pause_ids
 from relay_serve.toy.vocab import QWEN3_VOCAB_SIZE, SPECIAL_TOKENS, synthetic_vocab
 
 
@@ -53,7 +53,9 @@ stop_st = st.text(alphabet=ALPHABET, min_size=1, max_size=6)
 @given(texts=texts_st, stops=st.lists(stop_st, min_size=1, max_size=4), word=st.lists(st.booleans(), min_size=4, max_size=4))
 def test_the_index_finds_what_a_scan_finds(texts, stops, word):
     word_stops = frozenset(s for s, w in zip(stops, word) if w)
-    assert PauseTokens(texts).ids(tuple(stops), word_stops) == scan(texts, tuple(stops), word_stops)
+    expected = scan(texts, tuple(stops), word_stops)
+    assert PauseTokens(texts).ids(tuple(stops), word_stops) == expected
+    assert scan_pause_ids(texts, tuple(stops), word_stops) == expected  # the reference the bench measures against
 
 
 def test_a_vocabulary_of_qwen3s_size_is_shaped_like_a_byte_level_bpe():

@@ -1,0 +1,373 @@
+"""The router's and the model replica's own work per handoff, at the size of a real pair.
+
+    python -m relay_serve.bench.hotpath [--contexts 1k,8k,32k] [--tokens 512] [--repeats 3] [--json]
+
+The real router (HTTP API, generations, relay policy, session, transport over the replica's
+channel) and the real model replica code (``ModelServer``: channel server, resumable engine
+sessions, pause tokens, stop checks) serve relay requests over a vocabulary of Qwen3's size
+(151,936 token texts, ``relay_serve/toy/vocab.py``, with a tokenizer made from them). The engine is
+a stand-in that writes a fixed reasoning trace instantly, so what is measured is only what relay-serve
+adds: the CPU time of the router's thread and of the replicas' thread (each on an event loop of its
+own, as in production they are different processes), per switch between the models and per
+generated token, at contexts (prompt and what came before) of 1k, 8k and 32k tokens. Each request
+generates ``--tokens`` tokens with a cue every few sentences; a figure is the median of
+``--repeats`` requests after one warm-up.
+
+Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
+what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
+``relay_cues`` can make), against the scan of every token text that the index replaced.
+
+With ``--json`` the last line is ``{"vocab_size", "index_build_s", "pause_ids_ms",
+"pause_ids_scan_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
+"replica_cpu_ms_per_segment": {...}, "router_cpu_us_per_token": {...},
+"replica_cpu_us_per_token": {...}, "switches_per_request": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Collection
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
+from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
+
+CUES = ("Thus,", "Therefore,", "So,", "Hence,")  # the service's default cue set
+
+
+class HotpathReport(BaseModel):
+    vocab_size: int
+    index_build_s: float
+    pause_ids_ms: float
+    pause_ids_scan_ms: float
+    tokens_per_request: int
+    router_cpu_ms_per_switch: dict[str, float]
+    replica_cpu_ms_per_segment: dict[str, float]
+    router_cpu_us_per_token: dict[str, float]
+    replica_cpu_us_per_token: dict[str, float]
+    switches_per_request: dict[str, float]
+
+
+# ---- the stand-in engine ---------------------------------------------------------------------
+
+_TRACES: dict[tuple[int, ...], list[int]] = {}  # by their first tokens: traces (prompt included) the stand-in writes
+_KEY = 16
+
+
+class InstantEngine(Engine):
+    """Writes the tokens of a fixed trace at once: the trace that starts as the request's context
+    does (``_TRACES``, by the first tokens); at a context of ``n`` tokens, the next is the trace's
+    ``n``-th. Resumable requests only (the default path)."""
+
+    def __init__(self, model: str, tokenizer: str | None = None, engine_args: dict[str, Any] | None = None) -> None:
+        from relay_serve.tokenizer import load_codec
+        from relay_serve.toy.vocab import synthetic_vocab
+
+        self.codec = load_codec(str(tokenizer))
+        self.texts = list(synthetic_vocab())
+        self.max_model_len = int((engine_args or {}).get("max_model_len", 40960))
+
+    def can_resume(self) -> bool:
+        return True
+
+    def resumable(self, request_id: str) -> ResumableRequest:
+        return _InstantRequest()
+
+    def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+        raise NotImplementedError("the hot-path bench runs resumable segments only (router.resumable_requests)")
+
+    def token_texts(self) -> list[str]:
+        return self.texts
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.codec.decode(token_ids)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(model="instant", max_model_len=self.max_model_len, tokenizer_fingerprint=self.codec.fingerprint)
+
+    async def check_health(self) -> None:
+        pass
+
+
+class _InstantRequest(ResumableRequest):
+    def __init__(self) -> None:
+        self.trace: list[int] = []
+        self.held = 0
+
+    async def chunk(
+        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+    ) -> AsyncIterator[ChunkOutput]:
+        if not self.held:
+            self.trace = _TRACES[tuple(token_ids[:_KEY])]
+        self.held += len(token_ids)
+        for n in range(max_tokens):
+            if self.held >= len(self.trace):
+                yield ChunkOutput([], finish="stop", eos=True)
+                return
+            tid = self.trace[self.held]
+            await asyncio.sleep(0)  # one engine output a token, as vLLM's output handler yields
+            if tid in pause_ids or n == max_tokens - 1:
+                yield ChunkOutput([tid], finish="stop" if tid in pause_ids else "length", decode_steps=n)
+                return  # the last token sampled is not held (a next chunk feeds it)
+            self.held += 1
+            yield ChunkOutput([tid], decode_steps=1)
+
+    async def close(self) -> None:
+        pass
+
+
+# ---- the replicas' thread, and handles into it -------------------------------------------------
+
+
+class _ReplicaThread:
+    """The model replicas' event loop on a thread of its own, whose CPU time is theirs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="replicas", daemon=True)
+        self.thread.start()
+
+    def run(self, coro_or_fn) -> Any:
+        async def call():
+            return coro_or_fn() if callable(coro_or_fn) else await coro_or_fn
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
+
+    def cpu_s(self) -> float:
+        return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class _Stream:
+    """A streaming handle call (``lease``) whose generator runs on the replicas' loop."""
+
+    def __init__(self, gen, loop: asyncio.AbstractEventLoop) -> None:
+        self.gen, self.loop = gen, loop
+        self._pending: concurrent.futures.Future | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self._pending = asyncio.run_coroutine_threadsafe(self.gen.__anext__(), self.loop)
+        return await asyncio.wrap_future(self._pending)
+
+    def cancel(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        else:
+            asyncio.run_coroutine_threadsafe(self.gen.aclose(), self.loop)
+
+
+class _Handle:
+    """What the router calls on a deployment handle (``lease``, ``info``), on the replicas' loop."""
+
+    def __init__(self, server, replicas: _ReplicaThread) -> None:
+        self.server, self.replicas, self._method = server, replicas, "info"
+
+    def options(self, method_name: str, stream: bool = False, **_: Any) -> _Handle:
+        handle = _Handle(self.server, self.replicas)
+        handle._method = method_name
+        return handle
+
+    @property
+    def info(self) -> _Handle:
+        return self.options("info")
+
+    def remote(self, *args: Any):
+        loop = self.replicas.loop
+        if self._method == "lease":
+            return _Stream(self.server.lease(*args), loop)
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(getattr(self.server, self._method)(*args), loop))
+
+
+# ---- the trace -----------------------------------------------------------------------------------
+
+
+def _sentence(rng: random.Random, words: list[str]) -> str:
+    return " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + rng.choice((".\n\n", ". "))
+
+
+def make_trace(codec, context_tokens: int, tokens: int, seed: int = 0) -> tuple[str, list[int]]:
+    """A prompt of about ``context_tokens`` tokens, and the prompt's ids followed by a reasoning
+    trace of at least ``tokens`` tokens whose every third sentence opens with a cue."""
+    from relay_serve.toy.vocab import synthetic_vocab
+
+    rng = random.Random(seed)
+    words = [t.strip() for t in synthetic_vocab()[1000:30000] if t.strip().isalpha() and t.isascii()]
+    prompt = ""
+    while len(codec.encode(prompt)) < context_tokens - 40:
+        prompt += "".join(_sentence(rng, words) for _ in range(50))
+    ids = codec.encode(prompt)[: context_tokens - 40]
+    prompt = codec.decode(ids) + "\n\n<think>\n"
+    trace, k = "", 0
+    while len(codec.encode(trace)) < tokens + 64:
+        trace += (rng.choice(CUES) + " " if k % 3 == 2 else "") + _sentence(rng, words)
+        k += 1
+    return prompt, codec.encode(prompt + trace + "</think>\n\nThe answer is 42.")
+
+
+# ---- the measurement -----------------------------------------------------------------------------
+
+
+def pause_ids_cost(texts: list[str]) -> tuple[float, float, float]:
+    """Index build time (s), the pause ids of a never-seen list of 16 stops by the index and by a
+    scan of every text (ms)."""
+    from relay_serve.engine.stops import PauseTokens, scan_pause_ids
+
+    t0 = time.perf_counter()
+    pauses = PauseTokens(texts)
+    build_s = time.perf_counter() - t0
+    rng = random.Random(1)
+    stops = tuple(rng.choice(texts[1000:-100]).strip() + ", " for _ in range(12)) + CUES
+    word_stops = frozenset(CUES)
+    t0 = time.perf_counter()
+    found = pauses.ids(stops, word_stops)
+    index_ms = (time.perf_counter() - t0) * 1e3
+
+    t0 = time.perf_counter()
+    scanned = scan_pause_ids(texts, stops, word_stops)
+    scan_ms = (time.perf_counter() - t0) * 1e3
+    if scanned != found:
+        raise AssertionError(f"the index found {len(found)} pause ids and the scan {len(scanned)}")
+    return build_s, index_ms, scan_ms
+
+
+def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
+    import httpx
+
+    from relay_serve.serve.backend import ServeBackend
+    from relay_serve.serve.model_server import ModelServer
+    from relay_serve.serve.router import RelayRouter
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer
+
+    texts = list(synthetic_vocab())
+    build_s, index_ms, scan_ms = pause_ids_cost(texts)
+    progress(f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} ms)")
+    work = Path(tempfile.mkdtemp(prefix="relay-hotpath-"))
+    tok_dir = write_tokenizer(work / "tokenizer")
+    codec = load_codec(str(tok_dir))
+    longest = max(contexts.values()) + tokens + 512
+    engine_args = {"max_model_len": longest}
+    models = {role: {"model": f"hotpath/{role}", "tokenizer": str(tok_dir), "engine_args": engine_args} for role in ("large", "small")}
+    cfg = {
+        "name": "hotpath",
+        **models,
+        "router": {"session_affinity": True},
+        "cues": {"store_uri": (work / "cues").as_uri(), "online": {"enabled": False}},
+    }
+    prompts = {}
+    for label, context in contexts.items():
+        prompt, trace = make_trace(codec, context, tokens, seed=context)
+        _TRACES[tuple(trace[:_KEY])] = trace
+        prompts[label] = prompt
+    replicas = _ReplicaThread()
+    servers = {role: replicas.run(lambda role=role: ModelServer(role, models[role], engine_cls=InstantEngine)) for role in models}
+    backend = ServeBackend(_Handle(servers["large"], replicas), _Handle(servers["small"], replicas))
+    router = RelayRouter(cfg, backend=backend)
+
+    async def run(client, prompt: str) -> list[tuple[float, float, dict]]:
+        body = {"model": "relay", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
+        out = []
+        for i in range(repeats + 1):
+            r0, p0 = time.thread_time(), replicas.cpu_s()
+            resp = await client.post("/v1/completions", json=body)
+            r1, p1 = time.thread_time(), replicas.cpu_s()
+            if resp.status_code != 200:
+                raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
+            if i > 0:  # the first warms caches (the pause ids of the request's stops among them)
+                out.append((r1 - r0, p1 - p0, resp.json()["usage"]))
+        return out
+
+    per: dict[str, dict[str, float]] = {k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches")}
+
+    async def run_all() -> None:
+        transport = httpx.ASGITransport(app=router.api)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://hotpath", timeout=600) as client:
+                for label in contexts:
+                    runs = await run(client, prompts[label])
+                    per["switches"][label] = statistics.median(u["relay"]["switches"] for _, _, u in runs)
+                    per["switch"][label] = statistics.median(r / max(1, u["relay"]["switches"]) for r, _, u in runs) * 1e3
+                    per["segment"][label] = statistics.median(p / max(1, u["relay"]["segments"]) for _, p, u in runs) * 1e3
+                    per["router_tok"][label] = statistics.median(r / u["completion_tokens"] for r, _, u in runs) * 1e6
+                    per["replica_tok"][label] = statistics.median(p / u["completion_tokens"] for _, p, u in runs) * 1e6
+                    progress(
+                        f"context {label}: {per['switches'][label]:.0f} switches a request; router {per['switch'][label]:.2f} ms "
+                        f"CPU a switch, replicas {per['segment'][label]:.2f} ms CPU a segment; per token "
+                        f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us"
+                    )
+        finally:
+            backend.close()  # the leases go back; their calls end on the replicas' loop
+            await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        replicas.stop()
+    return HotpathReport(
+        vocab_size=len(texts),
+        index_build_s=round(build_s, 3),
+        pause_ids_ms=round(index_ms, 3),
+        pause_ids_scan_ms=round(scan_ms, 1),
+        tokens_per_request=tokens,
+        router_cpu_ms_per_switch={k: round(v, 3) for k, v in per["switch"].items()},
+        replica_cpu_ms_per_segment={k: round(v, 3) for k, v in per["segment"].items()},
+        router_cpu_us_per_token={k: round(v, 1) for k, v in per["router_tok"].items()},
+        replica_cpu_us_per_token={k: round(v, 1) for k, v in per["replica_tok"].items()},
+        switches_per_request=per["switches"],
+    )
+
+
+def parse_contexts(text: str) -> dict[str, int]:
+    out = {}
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        n = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        if n < 256:
+            raise argparse.ArgumentTypeError(f"--contexts: {part!r} is under 256 tokens")
+        out[part] = n
+    if not out:
+        raise argparse.ArgumentTypeError("--contexts: no context given")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m relay_serve.bench.hotpath", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=parse_contexts, default=parse_contexts("1k,8k,32k"), help="prompt sizes, e.g. 1k,8k,32k")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens generated a request")
+    parser.add_argument("--repeats", type=int, default=3, help="requests measured at each context (after one warm-up)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on the last line")
+    args = parser.parse_args(argv)
+    if args.tokens < 64 or args.repeats < 1:
+        parser.error("--tokens must be at least 64 and --repeats at least 1")
+    logging.basicConfig(level=logging.WARNING)
+    report = measure(args.contexts, args.tokens, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(report.model_dump()))
+    else:
+        print(report.model_dump_json(indent=2))
+
+
+if __name__ == "__main__":
+    main()
