@@ -1,7 +1,7 @@
 """``relay-serve bench``: relay against what a user would pick instead, on a cost-realistic trained pair.
 
-By default the pair is ``toy:large-wide`` (the toy large model widened: the same function, about
-fifteen times the small model's cost per token) and ``toy:small``. Stages:
+By default the pair is ``toy:large-wide`` (the toy large model widened: the same function, 15.7x
+the small model's cost per token in ``relay-serve toy speed``) and ``toy:small``. Stages:
 
 1. **calibrate**: the calibration job selects the pair's cues and publishes them to the bench's
    own cue store (``<out>/cues``), so relay runs with the cues this pair would be served with;

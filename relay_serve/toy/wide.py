@@ -47,8 +47,8 @@ class WideSpec(BaseModel):
     seed: int = Field(0, description="seeds the weights of the added units' read side")
 
 
-# 2 widened layers + 1 identity layer: about 10x the small model's cost per token at batch 1 in
-# vLLM-CPU here (measured by `relay-serve toy speed --large toy:large-wide`).
+# 2 widened layers + 1 identity layer: 15.7x the small model's cost per token at batch 1 in
+# vLLM-CPU here (`relay-serve toy speed --large toy:large-wide`; README, "The toy reasoning world").
 WIDE = WideSpec()
 
 
