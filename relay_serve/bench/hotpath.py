@@ -41,10 +41,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from relay_serve.config import CueSettings
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
 from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
 
-CUES = ("Thus,", "Therefore,", "So,", "Hence,")  # the service's default cue set
+CUES = tuple(CueSettings.model_fields["default_cues"].default_factory())  # the service's default cue set, which the bench serves with
 
 
 class HotpathReport(BaseModel):
