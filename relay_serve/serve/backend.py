@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend, EngineChunk, EngineTraits, InvalidRequest, ModelRole, SegmentRequest, Streaming
+from relay_serve.serve.calls import own_request
 from relay_serve.serve.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class ServeBackend(Backend):
 
     async def _fetch_traits(self, model: ModelRole) -> EngineTraits:
         try:
-            info = await asyncio.wait_for(self.handles[model].info.remote(), TRAITS_TTL_S)
+            info = await asyncio.wait_for(own_request(self.handles[model].info.remote), TRAITS_TTL_S)
         except Exception as e:  # noqa: BLE001 - unknown for now; the replicas keep their own guard
             log.warning("the %s deployment did not say what its engine runs (%s: %s)", model, type(e).__name__, e)
             cached = self._traits.get(model)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from relay_serve.config import AppConfig
 from relay_serve.relay.policy import MODEL_IDS
 from relay_serve.relay.types import Backend
+from relay_serve.serve.calls import own_request
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.generations import Generations
 from relay_serve.serve.http import RequestModel, build_api, read_request, validate
@@ -66,7 +67,7 @@ class RelayRouter:
         actor.start.remote()
 
         async def score(token_ids: list[int], start: int) -> list[list[float]]:
-            return await small.options(method_name="score").remote({"token_ids": token_ids, "start": start})
+            return await own_request(lambda: small.options(method_name="score").remote({"token_ids": token_ids, "start": start}))
 
         async def sink(margins: dict[str, Any]) -> None:
             await actor.add.remote(**margins)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.relay.types import EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming
+from relay_serve.serve.calls import own_request
 from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class HandleTransport:
         opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": bool(stream)}
         if self.affinity:
             opts["session_id"] = request.session_id
-        response = self.handles[request.model].options(**opts).remote(request.model_dump())
+        response = own_request(lambda: self.handles[request.model].options(**opts).remote(request.model_dump()))
         finished = False
         try:
             if stream:
@@ -101,7 +102,8 @@ class Lease:
         self._on_lost = on_lost
         self.info: asyncio.Future[LeaseInfo] = asyncio.get_running_loop().create_future()
         self.info.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "never retrieved"
-        self._response = handle.options(method_name="lease", stream=True).remote(f"lease-{uuid.uuid4().hex[:12]}", ttl_s)
+        lease_id = f"lease-{uuid.uuid4().hex[:12]}"
+        self._response = own_request(lambda: handle.options(method_name="lease", stream=True).remote(lease_id, ttl_s))
         self._task = asyncio.create_task(self._keep())
 
     @property
