@@ -39,6 +39,12 @@ class SessionAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Serve sleeps between routing attempts only when the router says so (its own routers
+            # do once they rank every replica, as this one always does). Without it a request that
+            # finds every replica at max_ongoing_requests is retried in a busy loop: a core of the
+            # caller's CPU until a slot frees.
+            pending_request.routing_context.should_backoff = True
         sid = pending_request.metadata.session_id if pending_request is not None else ""
         pinned = self._pinned(sid, candidate_replicas)
         rest = [r for r in candidate_replicas if r is not pinned]
