@@ -36,6 +36,12 @@ class DeploymentSettings(Strict):
         0.5, gt=0.0, description="a stopping replica looks this often whether its requests (and leases) are done (Serve's default: 2)"
     )
 
+    @property
+    def may_scale_to_zero(self) -> bool:
+        """Autoscaling whose minimum is zero replicas (Serve's default minimum is one)."""
+        scaling = self.autoscaling_config
+        return scaling is not None and int(scaling.get("min_replicas", 1)) == 0
+
     def serve_options(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
         actor = {**self.ray_actor_options}
         if env_vars:
@@ -116,11 +122,6 @@ class ModelSettings(Strict):
     @property
     def tokenizer_path(self) -> str:
         return resolve_model(self.tokenizer or self.model)
-
-    @property
-    def max_model_len(self) -> int | None:
-        value = self.engine_args.get("max_model_len")
-        return int(value) if value is not None else None
 
     @property
     def resolved_engine_args(self) -> dict[str, Any]:
@@ -325,8 +326,3 @@ class AppConfig(Strict):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-    @property
-    def max_model_len(self) -> int | None:
-        lens = [m for m in (self.large.max_model_len, self.small.max_model_len) if m]
-        return min(lens) if lens else None

@@ -104,25 +104,46 @@ def _file_digest(path: Path, h) -> None:
         h.update(f.read(1 << 20))  # the head of the file: headers and the first weights
 
 
-def model_fingerprint(model: ModelSettings) -> str:
-    """Of a local model folder's config and weight files; of the id for a hub model."""
-    h = hashlib.sha256()
-    root = Path(model.model_path)
+def _local_folder(model_path: str) -> Path | None:
+    """The folder that holds ``model_path``: itself, or a hub id's snapshot in the local hub cache
+    (where vLLM and transformers put what they download). None when neither exists here."""
+    root = Path(model_path)
     if root.is_dir():
+        return root
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a hub id, or not downloaded here
+        return None
+
+
+def model_fingerprint(model: ModelSettings) -> str:
+    """Of a model's config and weight files (names, sizes, heads): the same for a local folder
+    and for a hub id whose snapshot holds the same files. Of the id only for a hub model not
+    downloaded where this runs (the model replicas, which load it, always have it)."""
+    h = hashlib.sha256()
+    root = _local_folder(model.model_path)
+    if root is not None:
         for path in sorted(root.iterdir()):
             if path.suffix in (".json", ".safetensors", ".bin") and path.name != "train_report.json":
-                _file_digest(path, h)
+                _file_digest(path, h)  # a hub snapshot's links are followed to the cache's blobs
     else:
         h.update(model.model_path.encode())
     return h.hexdigest()[:16]
 
 
+def combine_fingerprints(large: str, small: str, tokenizer: str) -> str:
+    """The pair's fingerprint from its models' and its tokenizer's: what the router computes from
+    what the model replicas report, and the calibration job from the files it loads."""
+    return hashlib.sha256(json.dumps([large, small, tokenizer]).encode()).hexdigest()[:16]
+
+
 def pair_fingerprint(cfg: AppConfig) -> str:
+    """The pair's fingerprint from the model files where this runs (calibration, the CLI)."""
     from relay_serve.tokenizer import load_codec
 
-    tok = load_codec(cfg.large.tokenizer_path).fingerprint
-    blob = json.dumps([model_fingerprint(cfg.large), model_fingerprint(cfg.small), tok])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return combine_fingerprints(model_fingerprint(cfg.large), model_fingerprint(cfg.small), load_codec(cfg.large.tokenizer_path).fingerprint)
 
 
 def model_pair(cfg: AppConfig) -> ModelPair:

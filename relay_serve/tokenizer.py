@@ -8,6 +8,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relay_serve.relay.text import THINK_CLOSE, THINK_OPEN
@@ -29,14 +30,33 @@ class Codec:
     left out of decoded text; added tokens such as ``<think>`` are kept, and so are the reasoning
     markers where a tokenizer makes them special tokens (the policies look for them in the text)."""
 
-    def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.path = path
+    def __init__(self, tokenizer, source: str) -> None:
+        self.tokenizer = tokenizer
+        self.path = source  # where it was loaded from, for messages
         vocab = self.tokenizer.get_vocab()
         kept = {vocab[m] for m in (THINK_OPEN, THINK_CLOSE) if m in vocab}
         self._dropped = frozenset(self.tokenizer.all_special_ids) - kept
+
+    @classmethod
+    def from_path(cls, path: str) -> Codec:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), path)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], source: str) -> Codec:
+        """The tokenizer saved as ``files`` (``tokenizer_files``) where the model files are not:
+        the router gets them from a model replica."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="relay-tokenizer-") as folder:
+            for name, data in files.items():
+                if Path(name).name != name:
+                    raise ValueError(f"a tokenizer file name must be a bare name, not {name!r}")
+                (Path(folder) / name).write_bytes(data)
+            return cls(AutoTokenizer.from_pretrained(folder), source)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -61,9 +81,19 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """``tokenizer`` as the files ``save_pretrained`` writes (vocabulary, merges, added tokens,
+    chat template), to rebuild it where its model's folder cannot be read."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="relay-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
 @lru_cache(maxsize=8)
 def load_codec(path: str) -> Codec:
-    return Codec(path)
+    return Codec.from_path(path)
 
 
 def check_marker(codec: Codec, marker: str) -> None:
@@ -77,15 +107,20 @@ def check_marker(codec: Codec, marker: str) -> None:
         )
 
 
-def check_pair(cfg: AppConfig) -> Codec:
-    """The pair must share a tokenizer (handoffs pass token ids) whose decoding keeps the reasoning
-    end marker; refuse other pairs at start-up. Returns the shared codec."""
-    large, small = load_codec(cfg.large.tokenizer_path), load_codec(cfg.small.tokenizer_path)
-    if large.fingerprint != small.fingerprint:
+def check_shared(large: str, small: str, large_from: str, small_from: str) -> None:
+    """The pair must share a tokenizer (handoffs pass token ids): refuse two fingerprints that differ."""
+    if large != small:
         raise TokenizerMismatch(
-            f"the large model's tokenizer ({cfg.large.tokenizer_path}, {large.fingerprint}) differs from the "
-            f"small model's ({cfg.small.tokenizer_path}, {small.fingerprint}); relay-serve hands token ids "
-            "between the two models and needs a pair that shares one tokenizer"
+            f"the large model's tokenizer ({large_from}, {large}) differs from the small model's ({small_from}, {small}); "
+            "relay-serve hands token ids between the two models and needs a pair that shares one tokenizer"
         )
+
+
+def check_pair(cfg: AppConfig) -> Codec:
+    """From the model files where this runs (the calibration job, the CLI): the pair shares a
+    tokenizer whose decoding keeps the reasoning end marker. Returns the shared codec. The router
+    makes the same checks with what the model replicas report (``serve/startup.py``)."""
+    large, small = load_codec(cfg.large.tokenizer_path), load_codec(cfg.small.tokenizer_path)
+    check_shared(large.fingerprint, small.fingerprint, cfg.large.tokenizer_path, cfg.small.tokenizer_path)
     check_marker(large, cfg.policy.think_close)
     return large

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.relay.session import SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, SegmentRequest
+from relay_serve.relay.types import Backend, EngineChunk, ModelIdentity, SegmentRequest
 
 _PIECE = re.compile(r"</?think>|\n\n|\n| ?[A-Za-z]+| ?\d| ?[^\sA-Za-z\d]|\s")
 
@@ -59,8 +59,14 @@ class FakeBackend(Backend):
     """Scripted models over any codec. A session's first request is its bare prompt (every policy
     starts that way), so what the session wrote is what later requests hold beyond it."""
 
-    def __init__(self, codec, scripts: dict[str, Script], delay_s: float = 0.0) -> None:
+    def __init__(
+        self, codec, scripts: dict[str, Script], delay_s: float = 0.0, tokenizers: dict | None = None, max_model_len: int = 1024
+    ) -> None:
         self.codec = codec
+        self.tokenizers = tokenizers or {}  # a model's own tokenizer (a Codec), where it is not ``codec``
+        self.max_model_len = max_model_len
+        self.starting: dict[str, asyncio.Event] = {}  # a model whose event is unset has not started: identity() waits
+        self.identity_calls = 0
         self.prompts: dict[str, int] = {}
         self.scripts = scripts
         self.delay_s = delay_s
@@ -72,6 +78,19 @@ class FakeBackend(Backend):
 
     def small_refusal(self) -> str | None:
         return self.refusal
+
+    async def identity(self, model: str) -> ModelIdentity:
+        from relay_serve.tokenizer import tokenizer_files
+
+        self.identity_calls += 1
+        started = self.starting.get(model)
+        if started is not None:
+            await started.wait()
+        codec = self.tokenizers.get(model, self.codec)
+        files = tokenizer_files(codec.tokenizer)
+        return ModelIdentity(
+            model_fingerprint=f"fake-{model}", tokenizer_fingerprint=codec.fingerprint, max_model_len=self.max_model_len, tokenizer_files=files
+        )
 
     async def generate(self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)

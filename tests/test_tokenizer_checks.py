@@ -23,7 +23,7 @@ def special_think_tokenizer(tmp_path):
 def test_a_special_think_token_is_kept_and_end_of_turn_is_dropped(tmp_path):
     from relay_serve.tokenizer import Codec, check_marker
 
-    codec = Codec(special_think_tokenizer(tmp_path))
+    codec = Codec.from_path(special_think_tokenizer(tmp_path))
     ids = codec.encode("so</think>\n\nok")
     assert codec.decode(ids + [codec.tokenizer.eos_token_id]) == "so</think>\n\nok"  # EOS dropped, the marker kept
     check_marker(codec, "</think>")

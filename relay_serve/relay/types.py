@@ -100,8 +100,23 @@ class EngineChunk(BaseModel):
     pauses: int = Field(default=0, description="times a resumable request paused on a possible stop that was none")
 
 
+class ModelIdentity(BaseModel):
+    """What a model deployment says of itself, so that the router reads no model files: its
+    fingerprint (of its weights and config, not of the path or hub id they came from), its
+    tokenizer (as files) and its engine's context length."""
+
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    max_model_len: int = Field(gt=0)
+    tokenizer_files: dict[str, bytes] = Field(repr=False)
+
+
 class Backend(ABC):
     """Runs segment requests on the large or the small model."""
+
+    @abstractmethod
+    async def identity(self, model: ModelRole) -> ModelIdentity:
+        """What ``model``'s deployment serves (``ModelIdentity``); waits for a replica."""
 
     @abstractmethod
     def generate(

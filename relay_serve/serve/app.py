@@ -22,13 +22,13 @@ def _model_deployment(role: str, m: ModelSettings, affinity: bool, env_vars: dic
 
 
 def build_app(cfg: AppConfig):
-    """The Ray Serve application for ``cfg`` (refuses a pair whose tokenizers differ)."""
+    """The Ray Serve application for ``cfg``. Reads no model files (where it is built, on a
+    KubeRay head, they are not mounted): the router checks the pair with what the model replicas
+    report, and refuses a pair whose tokenizers differ (``serve/startup.py``)."""
     from ray import serve
 
     from relay_serve.serve.router import RelayRouter
-    from relay_serve.tokenizer import check_pair
 
-    check_pair(cfg)
     # The direct transport needs the router too (it follows which replicas Serve routes to); its
     # lease calls carry no session id, so it ranks the two least loaded replicas.
     affinity = cfg.router.session_affinity or cfg.router.transport == "direct"

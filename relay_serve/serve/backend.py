@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, EngineTraits, InvalidRequest, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import Backend, EngineChunk, EngineTraits, InvalidRequest, ModelIdentity, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.calls import own_request
 from relay_serve.serve.transport import DirectTransport, HandleTransport
 
@@ -95,6 +95,12 @@ class ServeBackend(Backend):
             log.warning("the %s deployment did not say within %.0f s what its engine runs; asking on in the background", model, TRAITS_TIMEOUT_S)
             self._traits.setdefault(model, (time.monotonic() + TRAITS_TIMEOUT_S, EngineTraits()))
             return EngineTraits()
+
+    async def identity(self, model: ModelRole) -> ModelIdentity:
+        handle = self.handles[model]
+        info = await own_request(handle.info.remote)
+        files = await own_request(handle.options(method_name="tokenizer_files").remote)
+        return ModelIdentity(tokenizer_files=files, **{k: info[k] for k in ("model_fingerprint", "tokenizer_fingerprint", "max_model_len")})
 
     async def _fetch_traits(self, model: ModelRole) -> EngineTraits:
         try:

@@ -24,7 +24,7 @@ class CueProvider:
     logged and reported by ``status``.
     """
 
-    def __init__(self, cfg: AppConfig, pair_fingerprint: str, store: CueStore | None = None, clock=None) -> None:
+    def __init__(self, cfg: AppConfig, pair_fingerprint: str | None, store: CueStore | None = None, clock=None) -> None:
         self.cfg = cfg
         self.pair_fingerprint = pair_fingerprint
         self._clock = clock or time.monotonic
@@ -46,6 +46,13 @@ class CueProvider:
             self._store = CueStore(self.cfg.cues.store_uri, self.cfg.cues.storage_options)
         return self._store
 
+    def set_pair(self, fingerprint: str) -> None:
+        """The pair's fingerprint, once the model deployments said it (``serve/startup.py``): until
+        then the default set serves, since a calibrated set is for one pair."""
+        if fingerprint != self.pair_fingerprint:
+            self.pair_fingerprint = fingerprint
+            self._next_poll = 0.0  # read the store at the next request
+
     def active(self) -> ActiveCues:
         return self._active
 
@@ -63,6 +70,9 @@ class CueProvider:
     def refresh(self) -> None:
         """Read the store's latest set now; swap it in if it is new, valid and for this pair."""
         self.last_checked = datetime.now(timezone.utc)
+        if self.pair_fingerprint is None:
+            self.last_error = None  # the small deployment has not said what it serves yet: the default set
+            return
         try:
             version = self.store.latest_version()
             if version is None or version == self._active.version:

@@ -92,14 +92,13 @@ def reselect(stats: CueStatistics, candidates: list[str], online: OnlineCalibrat
 class CueStatsActor:
     """The app's shared statistics (a Ray actor: ``shadow.stats_actor`` creates or finds it)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], pair: dict[str, Any]) -> None:
         from calibration_jobs.candidates import default_candidates
-        from relay_serve.cues import model_pair
 
         self.cfg = AppConfig.model_validate(config)
         self.online = self.cfg.cues.online
         self.candidates = self.online.candidates or default_candidates()
-        self.pair = model_pair(self.cfg)
+        self.pair = ModelPair.model_validate(pair)  # as the model replicas reported it: this actor reads no model files
         self.store = CueStore(self.cfg.cues.store_uri, self.cfg.cues.storage_options)
         self.stats = self._load()
         self.published: list[str] = []

@@ -20,6 +20,7 @@ from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, M
 from relay_serve.serve.cue_provider import CueProvider
 from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.shadow import ShadowScorer
+from relay_serve.serve.startup import PairRefused, PairStartup, ServedPair
 from relay_serve.serve.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
@@ -62,14 +63,13 @@ class Generation:
 class Generations:
     """Turns requests into generations and runs them over ``backend``; counts those in flight."""
 
-    def __init__(self, cfg: AppConfig, codec: Codec, backend: Backend, cues: CueProvider, metrics: RouterMetrics) -> None:
+    def __init__(self, cfg: AppConfig, startup: PairStartup, backend: Backend, cues: CueProvider, metrics: RouterMetrics) -> None:
         self.cfg = cfg
-        self.codec = codec
+        self.startup = startup  # the tokenizer and the context length, as the model replicas say
         self.backend = backend
         self.cues = cues
         self.metrics = metrics
         self.shadow: ShadowScorer | None = None  # online cue calibration, when enabled
-        self.max_model_len = cfg.max_model_len or 4096
         self.in_flight = 0
         self.auto = AutoChooser(cfg.policy.auto)
 
@@ -80,6 +80,7 @@ class Generations:
         arrived = time.perf_counter() if arrived is None else arrived
         chat = isinstance(req, ChatCompletionRequest)
         name = self.policy_name(req.model)
+        await self._pair(arrived)
         prompt_ids = self._prompt_ids(req)
         max_tokens = self._max_tokens(req, prompt_ids)
         await self.cues.maybe_refresh()
@@ -110,6 +111,39 @@ class Generations:
         session.usage.explored = explored
         session.usage.policy = path if name == "auto" else None
         return Generation(req, session, policy, chat, name, arrived, explored, path=path, load=load)
+
+    async def _pair(self, arrived: float) -> ServedPair:
+        """The served pair; a request that comes while the model deployments start waits for them,
+        up to its time limit."""
+        if self.startup.ready:
+            return self.startup.pair  # type: ignore[return-value]
+        left = self.cfg.router.request_timeout_s - (time.perf_counter() - arrived)
+        try:
+            return await self.startup.wait(max(0.0, left))
+        except PairRefused as e:
+            raise ServerError(f"this pair cannot be served: {e}", status=503, code="pair_refused") from e
+        except TimeoutError as e:
+            status = self.startup.status()["large"]
+            raise ServerError(
+                f"the large model's deployment did not answer within the request's {self.cfg.router.request_timeout_s:.0f} s "
+                f"(last: {status.get('last_failure') or 'still starting'})",
+                status=503,
+                code="model_unavailable",
+            ) from e
+
+    @property
+    def codec(self) -> Codec:
+        pair = self.startup.pair
+        if pair is None:
+            raise RuntimeError("no request is prepared before the large deployment answered")
+        return pair.codec
+
+    @property
+    def max_model_len(self) -> int:
+        pair = self.startup.pair
+        if pair is None:
+            raise RuntimeError("no request is prepared before the large deployment answered")
+        return pair.max_model_len
 
     async def _check_engines(self, models: tuple[ModelRole, ...], sampling: SamplingSettings, req: AnyRequest) -> None:
         """Refuse sampling that an engine of ``models`` would run wrongly or crash on (a

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
+from relay_serve.cues import model_fingerprint
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens
@@ -56,7 +57,9 @@ class ModelServer:
         else:
             self.engine = engine_cls(*args)
         self.role = role
+        self.settings = cfg
         self.replica_id = _replica_id()
+        self.model_fingerprint = model_fingerprint(cfg)  # of the files it loaded: the router cannot read them
         self.requests_in_flight = 0
         self.leases_held = 0
         self.session_restarts = 0
@@ -189,6 +192,7 @@ class ModelServer:
         return {
             **info.model_dump(),
             "role": self.role,
+            "model_fingerprint": self.model_fingerprint,
             "replica_id": self.replica_id,
             "node_id": node_id(),
             "requests_in_flight": self.requests_in_flight,
@@ -197,6 +201,13 @@ class ModelServer:
             "session_restarts": self.session_restarts,
             "channel": self._channel.address if self._channel is not None else None,
         }
+
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """The model's tokenizer as files: the router builds its own from them (it reads no model
+        files; ``serve/startup.py``)."""
+        from relay_serve.tokenizer import load_codec, tokenizer_files
+
+        return await asyncio.to_thread(lambda: tokenizer_files(load_codec(self.settings.tokenizer_path).tokenizer))
 
     async def score(self, request: dict[str, Any]) -> list[list[float]]:
         """Teacher-forced scoring of a served generation (online cue calibration): the top-2

@@ -9,6 +9,7 @@ fake backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -26,9 +27,9 @@ from relay_serve.serve.http import RequestModel, build_api, read_request, valida
 from relay_serve.serve.metrics import RouterMetrics
 from relay_serve.serve.placement import node_id
 from relay_serve.serve.shadow import ShadowScorer
+from relay_serve.serve.startup import PairStartup
 from relay_serve.serve.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
 from relay_serve.serve.streaming import events
-from relay_serve.tokenizer import check_pair
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +47,35 @@ class RelayRouter:
         self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None, metrics: RouterMetrics | None = None
     ) -> None:
         self.cfg = AppConfig.model_validate(config)
-        codec = check_pair(self.cfg)
         self.backend = backend if backend is not None else _serve_backend(self.cfg, large, small)
-        from relay_serve.cues import pair_fingerprint
-
-        self.cues = CueProvider(self.cfg, pair_fingerprint=pair_fingerprint(self.cfg))
+        self.cues = CueProvider(self.cfg, pair_fingerprint=None)  # the pair's, once the deployments said it
         self.metrics = metrics if metrics is not None else RouterMetrics(self.cfg.name)
-        self.generations = Generations(self.cfg, codec, self.backend, self.cues, self.metrics)
+        # the tokenizer, the pair's fingerprint and the context length come from the model
+        # replicas: the router reads no model files (serve/startup.py)
+        self.startup = PairStartup(self.cfg, self.backend, on_pair=self._on_pair)
+        self.generations = Generations(self.cfg, self.startup, self.backend, self.cues, self.metrics)
         self.stats_actor = None
-        if self.cfg.cues.online.enabled and small is not None:
-            self.generations.shadow = self._shadow(codec, small)
+        self._small = small
         self.api = build_api(self)
+        with contextlib.suppress(RuntimeError):  # constructed off an event loop: started by the first request
+            asyncio.get_running_loop()
+            self.startup.start()
 
-    def _shadow(self, codec, small) -> ShadowScorer:
+    def _on_pair(self, fingerprint: str) -> None:
+        """Both deployments said what they serve: the calibrated cue sets of this pair apply, and
+        online calibration starts."""
+        self.cues.set_pair(fingerprint)
+        if self.cfg.cues.online.enabled and self._small is not None and self.generations.shadow is None:
+            self.generations.shadow = self._shadow(self.generations.codec, self._small, fingerprint)
+
+    def _shadow(self, codec, small, fingerprint: str) -> ShadowScorer:
         """Online cue calibration: generations scored by the small deployment, margins to the
         app's shared statistics actor."""
+        from relay_serve.cues import ModelPair
         from relay_serve.serve.shadow import stats_actor
 
-        actor = self.stats_actor = stats_actor(self.cfg)
+        pair = ModelPair(large=self.cfg.large.model, small=self.cfg.small.model, fingerprint=fingerprint)
+        actor = self.stats_actor = stats_actor(self.cfg, pair)
         actor.start.remote()
 
         async def score(token_ids: list[int], start: int) -> list[list[float]]:
@@ -80,6 +92,9 @@ class RelayRouter:
     def __del__(self) -> None:
         """Ray Serve calls it when the replica stops: the leases go back, so the model replicas
         are not held waiting for this router's generations until their shutdown timeout."""
+        startup = getattr(self, "startup", None)
+        if startup is not None:
+            startup.stop()
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.close()
@@ -97,9 +112,21 @@ class RelayRouter:
     # ---- routes --------------------------------------------------------------------------------
 
     async def health(self) -> JSONResponse:
+        """200 once a request would be served without waiting for start-up (the large deployment
+        answered, and the small one too unless it may scale to zero); 503 before, and for a pair
+        that cannot be served, with what it waits for or why. The cue set's state rides along."""
+        self.startup.start()
         await self.cues.maybe_refresh()
-        status = self.cues.status()
-        return JSONResponse({"status": "ok" if status["ok"] else "degraded", "cue_set": status})
+        cues = self.cues.status()
+        models = self.startup.status()
+        small_up = models["small"]["state"] == "up" or self.cfg.small.deployment.may_scale_to_zero
+        if models["error"] is not None:
+            status, code = "refused", 503
+        elif not models["ready"] or not small_up:
+            status, code = "starting", 503
+        else:
+            status, code = ("ok" if cues["ok"] and models["small"]["state"] == "up" else "degraded"), 200
+        return JSONResponse({"status": status, "models": models, "cue_set": cues}, status_code=code)
 
     async def models(self) -> dict[str, Any]:
         prefix = self.cfg.router.model_name_prefix
@@ -190,7 +217,7 @@ class RelayRouter:
         self.metrics.start_sampling(self._gauges)
         try:
             g = await self.generations.prepare(req, arrived)
-        except ClientError as e:
+        except (ClientError, ServerError) as e:
             self.metrics.request(self.generations.model_label(req.model), e.status)
             raise
         if req.stream:

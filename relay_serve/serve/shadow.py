@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
+from relay_serve.cues import ModelPair
 from relay_serve.tokenizer import Codec
 
 log = logging.getLogger(__name__)
@@ -105,19 +106,19 @@ class ShadowScorer:
             self._worker.cancel()
 
 
-def stats_actor(cfg: AppConfig):
-    """The app's shared statistics actor: created by the first router that asks, found by the
-    others (and by a router that replaced one); detached, so it outlives every router replica."""
+def stats_actor(cfg: AppConfig, pair: ModelPair):
+    """The app's shared statistics actor for ``pair`` (as the model replicas reported it):
+    created by the first router that asks, found by the others (and by a router that replaced
+    one); detached, so it outlives every router replica."""
     import ray
 
-    from relay_serve.cues import pair_fingerprint
     from relay_serve.serve.cue_stats import CueStatsActor
 
-    name = f"relay-cue-stats-{cfg.name}-{pair_fingerprint(cfg)}"
+    name = f"relay-cue-stats-{cfg.name}-{pair.fingerprint}"
     options = {k: v for k, v in cfg.router.deployment.ray_actor_options.items() if k in ("resources", "runtime_env")}
     actor = (
         ray.remote(CueStatsActor)
         .options(name=name, namespace="relay-serve", lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1, **options)
-        .remote(cfg.model_dump(mode="json"))
+        .remote(cfg.model_dump(mode="json"), pair.model_dump(mode="json"))
     )
     return actor

@@ -171,3 +171,33 @@ def test_auto_runs_as_relay_or_large_and_says_which(client):
         assert "\\boxed{" in resp.choices[0].message.content
         assert relay["small_tokens"] == 0 if relay["policy"] == "large" else relay["switches"] > 0
     assert seen == {"relay", "large"}  # its first generations try both
+
+
+def test_a_router_that_cannot_read_the_model_files_starts_and_serves(relay_app):
+    """A router whose config names model paths its process cannot read (a KubeRay router pod
+    mounts no /models) beside the running model deployments: it starts, serves relay, and has the
+    pair's fingerprint the calibration job computes from the files (the model replicas report it)."""
+    import httpx
+    from ray import serve
+
+    from relay_serve.config import AppConfig
+    from relay_serve.cues import pair_fingerprint
+    from relay_serve.serve.router import RelayRouter
+
+    cfg = AppConfig()
+    blind = cfg.model_copy(deep=True)
+    blind.large.model, blind.small.model = "/not-mounted/Qwen3-32B", "/not-mounted/Qwen3-1.7B"
+    handles = [serve.get_deployment_handle(m, app_name=cfg.name) for m in ("large", "small")]
+    router = serve.deployment(serve.ingress()(RelayRouter)).options(name="router", ray_actor_options={"num_cpus": 0})
+    serve.run(router.bind(blind.model_dump(mode="json"), *handles), name="blind", route_prefix="/blind")
+    base = relay_app.rstrip("/") + "/blind"
+    try:
+        body = {"model": "relay", "messages": [{"role": "user", "content": PROMPT}]}
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "\\boxed{" in r.json()["choices"][0]["message"]["content"] and r.json()["usage"]["relay"]["small_tokens"] > 0
+        health = httpx.get(base + "/health", timeout=10).json()
+        assert health["status"] in ("ok", "degraded") and health["models"]["pair_fingerprint"] == pair_fingerprint(cfg)
+        assert health["models"]["large"]["max_model_len"] == cfg.large.engine_args["max_model_len"]
+    finally:
+        serve.delete("blind")

@@ -10,7 +10,7 @@ def test_the_embedded_default_is_the_toy_pair():
     cfg = AppConfig()
     assert cfg.large.model == "toy:large" and cfg.small.model == "toy:small"
     assert resolve_model("toy:large").endswith("toy/models/large")
-    assert cfg.max_model_len == 1024
+    assert cfg.large.engine_args["max_model_len"] == cfg.small.engine_args["max_model_len"] == 1024
     assert cfg.cues.store_uri.startswith("file://")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from relay_serve.config import AppConfig
 from relay_serve.serve.cue_stats import CueStatistics, CueStatsActor, reselect
+from relay_serve.cues import model_pair
 from relay_serve.serve.shadow import ShadowScorer
 from relay_serve.store import CueStore
 from relay_serve.tokenizer import load_codec
@@ -140,7 +141,8 @@ def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
     store_uri = (tmp_path / "cues").as_uri()
     cfg = AppConfig.model_validate({"cues": {"store_uri": store_uri, "online": {"enabled": True, "min_occurrences": 5,
                                                                              "candidates": ["First,", "Thus,", "Wait,"]}}})  # fmt: skip
-    actor = CueStatsActor(cfg.model_dump(mode="json"))
+    pair = model_pair(cfg).model_dump(mode="json")
+    actor = CueStatsActor(cfg.model_dump(mode="json"), pair)
     store = CueStore(store_uri)
     store.publish(make_set("v-hard", fingerprint=actor.pair.fingerprint, selected=("First,",)))
 
@@ -160,5 +162,5 @@ def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
     published = store.load(version)
     assert set(published.selected) == {"Thus,", "Wait,"} and published.provenance.generations == 13
     assert actor.publish_if_changed() is None  # the same selection is not published twice
-    again = CueStatsActor(cfg.model_dump(mode="json"))  # a new actor (the old one died) reads the statistics back
+    again = CueStatsActor(cfg.model_dump(mode="json"), pair)  # a new actor (the old one died) reads the statistics back
     assert again.stats.generations == 13 and again.stats.by_cue["Thus,"] == [0.99] * 13

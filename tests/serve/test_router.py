@@ -12,7 +12,6 @@ import pytest
 
 from relay_serve.relay.types import EngineChunk
 from relay_serve.serve.router import RelayRouter
-from relay_serve.tokenizer import TokenizerMismatch
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.fakes import FakeBackend, follow
 
@@ -22,17 +21,21 @@ REF = (
 )
 
 
-def make_router(scripts=None, **router_cfg):
+def make_router(scripts=None, started=True, backend_kw=None, policy=None, **router_cfg):
     cfg = {
         "large": {"model": "toy:large", "tokenizer": str(TOKENIZER_DIR)},
         "small": {"model": "toy:small", "tokenizer": str(TOKENIZER_DIR)},
+        "policy": policy or {},
         "router": {"session_affinity": False, **router_cfg},
         "cues": {"store_uri": Path(tempfile.mkdtemp()).as_uri()},
     }
     from relay_serve.tokenizer import load_codec
 
-    backend = FakeBackend(load_codec(str(TOKENIZER_DIR)), scripts or {"large": follow(REF), "small": follow(REF)})
-    return RelayRouter(cfg, backend=backend), backend
+    backend = FakeBackend(load_codec(str(TOKENIZER_DIR)), scripts or {"large": follow(REF), "small": follow(REF)}, **(backend_kw or {}))
+    router = RelayRouter(cfg, backend=backend)
+    if started:
+        asyncio.run(router.startup.answered())  # both fake deployments said what they serve
+    return router, backend
 
 
 def call(router, method, path, body=None, content=None, headers=None):
@@ -221,17 +224,98 @@ def test_an_unavailable_small_model_is_a_503_for_the_modes_that_need_it():
 
 
 def test_a_pair_with_different_tokenizers_is_refused(tmp_path):
+    """The deployments report their tokenizers; the router refuses a pair that does not share one,
+    in /health and in every request, naming why."""
     from transformers import AutoTokenizer
+
+    from relay_serve.tokenizer import Codec
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     tok.add_tokens(["<extra>"])
     tok.save_pretrained(str(tmp_path))
+    router, _ = make_router(backend_kw={"tokenizers": {"small": Codec.from_path(str(tmp_path))}})
+    health = call(router, "GET", "/health")
+    assert health.status_code == 503 and health.json()["status"] == "refused"
+    assert "shares one tokenizer" in health.json()["models"]["error"]
+    r = call(router, "POST", "/v1/chat/completions", chat())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "pair_refused"
+    assert "shares one tokenizer" in r.json()["error"]["message"]
+
+
+def test_a_pair_whose_decoding_loses_the_reasoning_end_marker_is_refused():
+    router, _ = make_router(policy={"think_close": "<|im_end|>"})  # an end-of-turn token: the router's decoding drops it
+    health = call(router, "GET", "/health")
+    assert health.status_code == 503 and "does not survive the tokenizer" in health.json()["models"]["error"]
+    r = call(router, "POST", "/v1/chat/completions", chat())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "pair_refused"
+
+
+def test_the_router_reads_no_model_files():
+    """Model paths the router's process cannot read: it serves with what the deployments report
+    (the tokenizer, the context length), and takes the pair's fingerprint from them."""
+    from relay_serve.cues import combine_fingerprints
+    from relay_serve.tokenizer import load_codec
+
     cfg = {
-        "large": {"model": "toy:large", "tokenizer": str(TOKENIZER_DIR)},
-        "small": {"model": "toy:small", "tokenizer": str(tmp_path)},
+        "large": {"model": "/not-mounted/large"},
+        "small": {"model": "/not-mounted/small"},
+        "router": {"session_affinity": False},
+        "cues": {"store_uri": Path(tempfile.mkdtemp()).as_uri()},
     }
-    with pytest.raises(TokenizerMismatch, match="shares one tokenizer"):
-        RelayRouter(cfg, backend=FakeBackend(None, {}))
+    codec = load_codec(str(TOKENIZER_DIR))
+    blind = RelayRouter(cfg, backend=FakeBackend(codec, {"large": follow(REF), "small": follow(REF)}, max_model_len=300))
+    asyncio.run(blind.startup.answered())
+    r = call(blind, "POST", "/v1/chat/completions", chat())
+    assert r.status_code == 200, r.text
+    assert "\\boxed{d4}" in r.json()["choices"][0]["message"]["content"]
+    described = call(blind, "GET", "/v1/relay/cues").json()
+    assert described["pair_fingerprint"] == combine_fingerprints("fake-large", "fake-small", codec.fingerprint)
+    # the engines' context, not a fallback: 300 tokens
+    long = chat(messages=[{"role": "user", "content": "Start at b3. " * 100}])
+    r = call(blind, "POST", "/v1/chat/completions", long)
+    assert r.status_code == 400 and "300" in r.json()["error"]["message"], r.text
+
+
+def test_health_says_starting_until_the_large_deployment_answers_and_requests_wait_for_it():
+    router, backend = make_router(started=False)
+    gate = backend.starting["large"] = asyncio.Event()
+
+    async def go():
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+            first = await c.get("/health")
+            waiting = asyncio.ensure_future(c.post("/v1/chat/completions", json=chat()))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # the request waits for start-up, it is not refused
+            gate.set()
+            served = await waiting
+            await router.startup.answered()
+            return first, served, await c.get("/health")
+
+    first, served, after = asyncio.run(go())
+    assert first.status_code == 503 and first.json()["status"] == "starting"
+    assert first.json()["models"]["large"]["state"] == "starting"
+    assert served.status_code == 200, served.text
+    assert after.status_code == 200 and after.json()["status"] == "ok"
+    assert after.json()["models"]["large"]["state"] == after.json()["models"]["small"]["state"] == "up"
+
+
+def test_a_small_deployment_that_may_scale_to_zero_does_not_hold_health_back():
+    router, backend = make_router(started=False)
+    backend.starting["small"] = asyncio.Event()  # never starts
+    router.cfg.small.deployment.num_replicas = None
+    router.cfg.small.deployment.autoscaling_config = {"min_replicas": 0, "max_replicas": 1}
+
+    async def go():
+        await router.startup.wait(10)
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await c.get("/health")
+
+    health = asyncio.run(go())
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert health.json()["models"]["small"]["state"] == "starting"
+    assert health.json()["cue_set"]["version"] == "default"  # no pair fingerprint yet: the default set
 
 
 def test_no_request_field_multiplies_engine_work():
