@@ -201,8 +201,12 @@ class Generations:
             vocab = len(self.codec.tokenizer)
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise ClientError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
-            return list(req.prompt)
-        return self.codec.encode(req.prompt)
+            ids = list(req.prompt)
+        else:
+            ids = self.codec.encode(req.prompt)
+        if not ids:  # an engine refuses an empty prompt: a 400 at once, not a failed engine
+            raise ClientError("the prompt is empty: give at least one token of text", param="prompt")
+        return ids
 
     def _max_tokens(self, req: AnyRequest, prompt_ids: list[int]) -> int:
         """The request's token budget, checked with its stop strings against the limits."""

@@ -143,6 +143,15 @@ def test_bad_input_is_a_400_naming_the_parameter(body, param):
     assert backend.requests == []
 
 
+@pytest.mark.parametrize("prompt", ["", []])
+def test_an_empty_completion_prompt_is_a_400_naming_prompt_before_any_engine(prompt):
+    router, backend = make_router()
+    for model in ("relay", "large", "small"):
+        r = call(router, "POST", "/v1/completions", {"model": model, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert backend.requests == []
+
+
 @pytest.mark.parametrize(
     "content",
     [b"{not json", b"[1, 2]", b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000, b""],
