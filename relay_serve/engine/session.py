@@ -81,13 +81,14 @@ class EngineSession:
         decode_s, steps, pauses, lookahead = 0.0, 0, 0, False
         while True:
             new: list[int] = []
+            out = None
             async for out in self.request.chunk(feed, 1 if lookahead else left, pause_ids, request.sampling):
                 new += out.token_ids
                 if stream and out.token_ids:
                     yield EngineChunk(token_ids=out.token_ids)
                 if out.finish is not None:
                     break
-            if not new and not out.eos:
+            if out is None or (not new and not out.eos):
                 raise RuntimeError("the resumable request ended a chunk without a token")
             if ttft_s is None:
                 ttft_s = out.ttft_s

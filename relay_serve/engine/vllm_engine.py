@@ -182,9 +182,11 @@ class VLLMResumable(ResumableRequest):
             return
         self._closed = True
         if self._task is not None:
-            await self.engine.abort(self.request_id)
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            try:
+                await self.engine.abort(self.request_id)
+            finally:  # the task ends even when the abort failed (a dead engine)
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
 
 
 async def _refusing_invalid(outputs):

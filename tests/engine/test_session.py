@@ -170,3 +170,28 @@ def test_a_busy_session_refuses_a_second_segment(stream):
     session.busy = True
     with pytest.raises(RuntimeError, match="already runs a segment"):
         asyncio.run(collect(session, request(codec, PROMPT, []), stream=stream))
+
+
+def test_a_chunk_that_yields_nothing_is_an_error_that_says_so():
+    """An engine request whose chunk ends with no output at all (not even EOS) fails the segment
+    with a message naming it, not with an unbound name."""
+    codec, engine, session = setup()
+
+    async def silent(token_ids, max_tokens, pause_ids, sampling):
+        return
+        yield  # an async generator that yields nothing
+
+    async def go():
+        async for _ in session.segment(request(codec, PROMPT, ["Thus,"]), stream=False):
+            pass
+
+    original = engine.resumable
+
+    def resumable(request_id):
+        r = original(request_id)
+        r.chunk = silent
+        return r
+
+    engine.resumable = resumable
+    with pytest.raises(RuntimeError, match="ended a chunk without a token"):
+        asyncio.run(go())
