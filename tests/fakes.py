@@ -67,6 +67,11 @@ class FakeBackend(Backend):
         self.max_model_len = max_model_len
         self.starting: dict[str, asyncio.Event] = {}  # a model whose event is unset has not started: identity() waits
         self.identity_calls = 0
+        # what an engine session of (generation, model) saw: its last request's context and every
+        # token it wrote; a request's ``unchanged`` must not claim more of its context than that
+        self.seen: dict[tuple[str, str], list[int]] = {}
+        self.unchanged_violations: list[str] = []
+        self.unchanged_tokens = 0
         self.prompts: dict[str, int] = {}
         self.scripts = scripts
         self.delay_s = delay_s
@@ -92,8 +97,18 @@ class FakeBackend(Backend):
             model_fingerprint=f"fake-{model}", tokenizer_fingerprint=codec.fingerprint, max_model_len=self.max_model_len, tokenizer_files=files
         )
 
+    def _check_unchanged(self, request: SegmentRequest) -> list[int]:
+        key, n, context = (request.session_id, request.model), request.unchanged, request.prompt_token_ids
+        before = self.seen.get(key, [])
+        if n > len(before) or context[:n] != before[:n]:
+            self.unchanged_violations.append(f"{request.model}: unchanged={n} but only {len(before)} seen / differs")
+        self.unchanged_tokens += n
+        seen = self.seen[key] = list(context)
+        return seen
+
     async def generate(self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
+        seen = self._check_unchanged(request)
         if request.model in self.unavailable:
             raise SmallModelUnavailable(f"{request.model} deployment has no replica")
         n_prompt = self.prompts.setdefault(request.session_id, len(request.prompt_token_ids))
@@ -111,6 +126,7 @@ class FakeBackend(Backend):
                     await asyncio.sleep(self.delay_s)
                 text = self.codec.decode(pieces[:n])
                 hit = next((s for s in request.stop if s in text), None)
+                seen.append(tid)
                 if hit is not None:
                     yield EngineChunk(token_ids=[tid], finished=True, finish_reason="stop", stop_reason=hit)
                     return

@@ -6,9 +6,13 @@ tail of the last block) is computed again, as a new request that waits to be sch
 :class:`EngineSession` keeps one resumable request per generation instead and feeds it only what is
 new since its last segment, so a handoff costs the prefill of the other model's tokens.
 
-Each segment still carries the whole context (``SegmentRequest.prompt_token_ids``). The session
-knows which tokens its request holds (``known``); a context that continues them is fed its new
-tokens, one that does not (the router took back tokens, a draft was rejected) restarts the request.
+A segment carries what is new: the session keeps the generation's tokens as the router last saw
+them from here (``seen``: the last segment's context and what it generated), and a segment says
+how many of them still stand (``context_base``) and sends the rest; one that continues from more
+than the session holds raises ``ContextGap`` (the router sends the whole context). The request's
+KV cache holds the first ``n_known`` of ``seen``: a context that keeps them is fed its new tokens,
+one that does not (the router took back tokens, a draft was rejected) restarts the request. Per
+segment the work is in the new tokens, not the context.
 Stop strings become pause tokens (``stops.py``): at every pause the session checks the segment's
 text as vLLM's stop-string check would and either ends the segment or resumes the request with the
 token it paused on. Knows nothing of vLLM.
@@ -21,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 
 from relay_serve.engine.base import Engine, ResumableRequest
 from relay_serve.engine.stops import PauseTokens, first_stop, lookahead_stops
-from relay_serve.relay.types import EngineChunk, SegmentRequest
+from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest
 
 _CONTEXT = 8  # tokens of left context when decoding a segment's text (byte-level merges)
 
@@ -33,22 +37,33 @@ class EngineSession:
         self.pauses = pauses
         self.on_restart = on_restart or (lambda: None)
         self.request: ResumableRequest | None = None
-        self.known: list[int] = []  # the tokens whose KV the request holds
+        self.seen: list[int] = []  # the context of the last segment and what it generated
+        self.n_known = 0  # the first n_known of seen are the tokens whose KV the request holds
         self.busy = False
         self.last_used = time.monotonic()
         self._starts = 0
 
-    def _continues(self, context: list[int]) -> bool:
-        n = len(self.known)
-        return self.request is not None and len(context) > n and context[:n] == self.known
+    def _take_context(self, request: SegmentRequest) -> bool:
+        """Make ``seen`` the segment's context; whether the request's KV still holds its first
+        ``n_known`` tokens (so the request continues) or must restart."""
+        base, tail = request.context_base, request.prompt_token_ids
+        if base > len(self.seen):
+            raise ContextGap(f"session {self.session_id} holds {len(self.seen)} tokens of the context; the segment continues from {base}")
+        kept = self.request is not None
+        if kept and base < self.n_known:  # tokens the KV holds are sent again: kept only if they are the same
+            end = min(self.n_known, base + len(tail))
+            kept = end == self.n_known and self.seen[base:end] == tail[: end - base]
+        del self.seen[base:]
+        self.seen += tail
+        return kept and len(self.seen) > self.n_known
 
     async def _restart(self) -> None:
         if self.request is not None:
             self.on_restart()
-            await self.close()
+            await self._close_request()
         self._starts += 1
         self.request = self.engine.resumable(f"{self.session_id}-r{self._starts}")
-        self.known = []
+        self.n_known = 0
 
     async def segment(self, request: SegmentRequest, stream: bool = True) -> AsyncIterator[EngineChunk]:
         """The output of one segment request, as ``Engine.generate`` gives it: streamed chunks, or
@@ -67,16 +82,16 @@ class EngineSession:
             self.last_used = time.monotonic()
 
     async def _segment(self, request: SegmentRequest, stream: bool) -> AsyncIterator[EngineChunk]:
-        context = request.prompt_token_ids
-        fresh = not self._continues(context)
+        fresh = not self._take_context(request)
         if fresh:
             await self._restart()
-        feed = context[len(self.known) :]
+        n_context = len(self.seen)
+        feed = self.seen[self.n_known :]
         stops = tuple(request.stop)
         pause_ids = self.pauses.ids(stops, frozenset(request.word_stops)) if stops else frozenset()
         left, generated = request.max_tokens, []
         last = EngineChunk(finished=True, finish_reason="length")
-        cached = len(self.known)
+        cached = self.n_known
         ttft_s: float | None = None
         decode_s, steps, pauses, lookahead = 0.0, 0, 0, False
         while True:
@@ -95,13 +110,14 @@ class EngineSession:
                 cached += out.cached_tokens if fresh else 0
             decode_s += out.decode_s or 0.0
             steps += out.decode_steps
-            self.known += feed + new[:-1] if new else feed  # the last token sampled is not in the request's cache yet
+            self.n_known += len(feed) + max(0, len(new) - 1)  # the last token sampled is not in the request's cache yet
+            self.seen += new
             generated += new
             left -= len(new)
             if out.eos:
                 last = EngineChunk(finished=True, finish_reason="stop")
                 break
-            before, text = self._text(context, generated)
+            before, text = self._text(n_context, generated)
             hit = first_stop(text, stops, request.word_stops, before)
             if hit is not None:
                 last = EngineChunk(finished=True, finish_reason="stop", stop_reason=hit[1])
@@ -114,16 +130,22 @@ class EngineSession:
         timing = {"cached_tokens": cached, "ttft_s": ttft_s, "decode_s": decode_s, "decode_steps": steps, "pauses": pauses}
         yield last.model_copy(update={"token_ids": [] if stream else generated, **timing})
 
-    def _text(self, context: list[int], generated: list[int]) -> tuple[str, str]:
+    def _text(self, n_context: int, generated: list[int]) -> tuple[str, str]:
         """The end of the context's text and the segment's, as vLLM's detokenizer gives it (decoded
         with a little left context)."""
-        left = context[-_CONTEXT:]
+        left = self.seen[max(0, n_context - _CONTEXT) : n_context]
         before = self.engine.decode(left)
         full = self.engine.decode(left + generated)
         return (before, full[len(before) :]) if full.startswith(before) else (before, self.engine.decode(generated))
 
-    async def close(self) -> None:
+    async def _close_request(self) -> None:
         request, self.request = self.request, None
-        self.known = []
+        self.n_known = 0
         if request is not None:
             await request.close()
+
+    async def close(self) -> None:
+        """The request goes, and what the session knew of the context (a later segment that
+        continues it gets ``ContextGap``)."""
+        self.seen = []
+        await self._close_request()

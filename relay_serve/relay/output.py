@@ -8,6 +8,7 @@ Knows nothing of Ray or vLLM.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from relay_serve.relay.types import ModelRole, TextCodec, TraceSegment
@@ -37,6 +38,24 @@ class Output:
         self._emitted = 0
         self.stopped = False  # a user stop string ended the output
         self._runs: list[_Run] = []
+        self._floors: dict[str, int] = {}  # per watcher: the shortest ``ids`` was cut to since it watched
+
+    # ---- what stands -----------------------------------------------------------------------------
+
+    def watch(self, key: str) -> None:
+        """From now on, remember for ``key`` the shortest length ``ids`` is cut to."""
+        self._floors[key] = sys.maxsize
+
+    def floor(self, key: str) -> int:
+        """How many leading ``ids`` have stood since ``key`` watched (every one, if none was taken
+        back: ``sys.maxsize``); 0 for a key that never watched."""
+        return self._floors.get(key, 0)
+
+    def _cut(self) -> None:
+        n = len(self.ids)
+        for key, floor in self._floors.items():
+            if n < floor:
+                self._floors[key] = n
 
     # ---- growing -------------------------------------------------------------------------------
 
@@ -90,6 +109,7 @@ class Output:
         """Drop the text from ``cut`` on and every token that starts there or later."""
         keep = sum(1 for s in self.starts if s < cut)
         del self.ids[keep:], self.owners[keep:], self.starts[keep:]
+        self._cut()
         self.text = self.text[:cut]
         self._pending = 0
         while len(self._runs) > 1 and self._runs[-1].start >= cut:
@@ -102,6 +122,7 @@ class Output:
         while self.ids and self._pending == 0 and self.starts[-1] == len(self.text) and not self.codec.decode(self.ids[-1:]):
             del self.ids[-1], self.owners[-1], self.starts[-1]
             n += 1
+        self._cut()
         return n
 
     # ---- reading -------------------------------------------------------------------------------

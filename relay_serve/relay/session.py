@@ -113,6 +113,8 @@ class Session:
     handoffs: list[Handoff] = field(default_factory=list, init=False)
     _last_commit: tuple[ModelRole, float] | None = field(default=None, init=False)  # model and time of the last committed chunk
     _events: asyncio.Queue | None = field(default=None, init=False)
+    # per model: the context tokens its engine session holds after its last request (SegmentRequest.unchanged)
+    _seen: dict[ModelRole, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.output = Output(self.codec, self.user_stops)
@@ -209,15 +211,24 @@ class Session:
     async def _engine_request(self, plan: _Plan, max_tokens: int, tokens: list[int]) -> EngineChunk:
         """One engine request continuing the context (and ``tokens``, a draft's so far); appends
         what arrives to ``tokens`` (and the output, when the plan commits). Returns the last chunk."""
+        written = len(self.output.ids)
         context = self.prompt_ids + self.output.ids + ([] if plan.commit else tokens)
-        request = SegmentRequest(
+        # What of the context this model's previous request had (and got back) still stands: a
+        # transport that reaches the same engine session sends only the rest.
+        seen = self._seen.pop(plan.model, None)
+        unchanged = 0 if seen is None else min(seen, len(self.prompt_ids) + self.output.floor(plan.model), len(context))
+        self.output.watch(plan.model)
+        request = SegmentRequest.model_construct(  # built here, from checked parts: not validated again
             model=plan.model,
             prompt_token_ids=context,
             max_tokens=max_tokens,
             stop=list(dict.fromkeys(plan.stop + self.user_stops)),
             word_stops=plan.word_stops,
             sampling=self.sampling.for_segment(self.usage.engine_requests),
+            resume=False,
             session_id=self.session_id,
+            unchanged=unchanged,
+            context_base=0,
         )
         self.usage.engine_requests += 1
         got: list[int] = []
@@ -245,6 +256,9 @@ class Session:
             await _aclose(chunks)  # closing early aborts the engine request
         if not self.output.stopped and (not last.finished or last.finish_reason == "abort"):
             raise EngineError(f"the {plan.model} model's request ended without finishing")
+        # the engine session now holds the context and what came back (a draft's tokens are not
+        # the output's: only the context before it is known to stand)
+        self._seen[plan.model] = len(context) + len(got) if plan.commit else len(self.prompt_ids) + written
         self.usage.cached_prompt_tokens += last.cached_tokens
         self.engine_log.append(
             EngineRequestRecord(

@@ -42,6 +42,12 @@ class InvalidRequest(ValueError):
         self.message, self.param = message, param
 
 
+class ContextGap(RuntimeError):
+    """A segment that continues a context from ``context_base`` reached a replica whose session
+    does not hold that much of it (the session ended, the replica restarted): the sender sends the
+    whole context again."""
+
+
 class EngineTraits(BaseModel):
     """What the router must know of a model's engine before it sends it a request, as the model's
     replicas report it."""
@@ -81,6 +87,18 @@ class SegmentRequest(BaseModel):
         False, description="continue the generation's resumable engine request on this replica (its KV kept between segments)"
     )
     session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
+    unchanged: int = Field(
+        0,
+        ge=0,
+        description="the router's own: the first `unchanged` context tokens are those this model's previous request of the "
+        "generation had, followed by the output it got back; a transport that reaches the same session leaves them out",
+    )
+    context_base: int = Field(
+        0,
+        ge=0,
+        description="on the wire: the context is the first `context_base` tokens the replica's session holds for this "
+        "generation, then prompt_token_ids (a resumable segment sends only what is new; ContextGap when it lacks them)",
+    )
 
 
 class EngineChunk(BaseModel):

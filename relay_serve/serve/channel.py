@@ -16,7 +16,8 @@ gone around with a token seen once). Also ``{"op": "cancel", "id"}`` and ``{"op"
 "session"}`` (a generation ended: its resumable engine request goes). Replica to client: ``{"id",
 "chunk"}`` (an EngineChunk as a mapping; a non-streamed request gets one, the whole output) or
 ``{"id", "error"}`` (with ``"invalid": param`` when the engine refuses the request as invalid:
-the client's fault, never retried). Requests are multiplexed on one connection by id; a closed connection fails
+the client's fault, never retried; with ``"gap": true`` when the segment continues a context the
+replica's session does not hold: the router sends it whole). Requests are multiplexed on one connection by id; a closed connection fails
 every request still open on it, and the replica aborts every engine request of a connection that
 closed. A request whose chunks the router does not read fails after ``MAX_PENDING_CHUNKS``.
 """
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from relay_serve.relay.types import InvalidRequest
+from relay_serve.relay.types import ContextGap, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,9 @@ class SegmentServer:
         except InvalidRequest as e:  # the request's fault: the router answers 400, no retry
             if not writer.is_closing():
                 writer.write(pack({"id": rid, "error": e.message, "invalid": e.param or ""}))
+        except ContextGap as e:  # the router sends the whole context again
+            if not writer.is_closing():
+                writer.write(pack({"id": rid, "error": str(e), "gap": True}))
         except Exception as e:  # noqa: BLE001 - reported to the router, which retries or fails the segment
             log.warning("segment %d failed: %s: %s", rid, type(e).__name__, e)
             if not writer.is_closing():
@@ -288,6 +292,8 @@ class Channel:
                     done = True
                     if "invalid" in item:
                         raise InvalidRequest(str(item["error"]), param=str(item["invalid"]) or None)
+                    if item.get("gap"):
+                        raise ContextGap(str(item["error"]))
                     raise RemoteError(str(item["error"]))
                 chunk = item.get("chunk")
                 if not isinstance(chunk, dict):

@@ -24,7 +24,7 @@ from relay_serve.cues import model_fingerprint
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens
-from relay_serve.relay.types import EngineChunk, SegmentRequest, Streaming
+from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest, Streaming
 from relay_serve.serve.autoscaling import ENGINE_LOAD
 from relay_serve.serve.channel import SegmentServer
 from relay_serve.serve.placement import node_id, node_ip
@@ -79,6 +79,8 @@ class ModelServer:
         self.traits.check(self.role, req.sampling)  # InvalidRequest: the router refuses these before they come
         if req.resume and self.resumable:
             output = self._session(req.session_id, peer).segment(req, stream=stream)
+        elif req.context_base:
+            raise ContextGap("this replica runs a new engine request per segment: send the whole context")
         else:
             output = self.engine.generate(req, f"{req.session_id}-{uuid.uuid4().hex[:8]}", stream=stream)
         self.requests_in_flight += 1

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.relay.types import EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import ContextGap, EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming
 from relay_serve.serve.calls import own_request
 from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
 
@@ -64,7 +64,7 @@ class HandleTransport:
         opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": bool(stream)}
         if self.affinity:
             opts["session_id"] = request.session_id
-        response = own_request(lambda: self.handles[request.model].options(**opts).remote(request.model_dump()))
+        response = own_request(lambda: self.handles[request.model].options(**opts).remote(request.model_dump(exclude={"unchanged"})))
         finished = False
         try:
             if stream:
@@ -175,6 +175,9 @@ class DirectTransport:
         self.pool = ChannelPool()
         self.leases: dict[str, dict[str, Lease]] = {}
         self.idle: dict[str, list[Lease]] = {"large": [], "small": []}
+        # per generation and model: the lease whose replica's engine session holds its context after
+        # its last segment (the next one sends only what is new)
+        self.continued: dict[tuple[str, ModelRole], Lease] = {}
 
     def _lease(self, session_id: str, model: ModelRole) -> Lease:
         held = self.leases.setdefault(session_id, {})
@@ -231,11 +234,14 @@ class DirectTransport:
         """Give a generation's lease on ``model`` back to Serve (it failed or timed out: not
         for reuse)."""
         lease = self.leases.get(session_id, {}).pop(model, None)
+        self.continued.pop((session_id, model), None)
         if lease is not None:
             self._end_session(lease, session_id)
             lease.release()
 
     def release(self, session_id: str) -> None:
+        for model in ("large", "small"):
+            self.continued.pop((session_id, model), None)
         for lease in self.leases.pop(session_id, {}).values():
             self._end_session(lease, session_id)
             self._give_back(lease)
@@ -282,14 +288,24 @@ class DirectTransport:
 
     async def segment(self, request: SegmentRequest, stream: Streaming) -> AsyncIterator[EngineChunk]:
         lease = self._lease(request.session_id, request.model)
+        key = (request.session_id, request.model)
+        holder = self.continued.pop(key, None)
         info: LeaseInfo | None = None
         try:
             info = await asyncio.shield(lease.info)
             channel = await self.pool.get(info.address, info.token)
-            body = request.model_dump()
-            body["resume"] = self.resumable and info.resumable and self.affinity
-            async for data in channel.request(body, stream, info.token):
-                yield EngineChunk.model_validate(data)
+            resume = self.resumable and info.resumable and self.affinity
+            base = request.unchanged if resume and holder is lease else 0
+            while True:
+                try:
+                    async for data in channel.request(wire_body(request, resume, base), stream, info.token):
+                        yield EngineChunk.model_validate(data)
+                    break
+                except ContextGap:
+                    if base == 0:
+                        raise
+                    base = 0  # the replica's session does not hold it (ended, restarted): the whole context
+            self.continued[key] = lease
         except InvalidRequest:
             raise  # the request's fault: the lease and its replica are fine
         except Exception as e:
@@ -300,3 +316,12 @@ class DirectTransport:
         finally:
             if not self.affinity:
                 self.drop(request.session_id, request.model)
+
+
+def wire_body(request: SegmentRequest, resume: bool, base: int) -> dict[str, Any]:
+    """A segment request as it crosses the channel: with ``base`` > 0 the context's first ``base``
+    tokens are left out (the replica's engine session holds them), so the work per segment is in
+    the new tokens, not the context."""
+    body = request.model_dump(exclude={"prompt_token_ids", "unchanged"})
+    body.update(prompt_token_ids=request.prompt_token_ids[base:], context_base=base, resume=resume)
+    return body

@@ -195,3 +195,52 @@ def test_a_chunk_that_yields_nothing_is_an_error_that_says_so():
     engine.resumable = resumable
     with pytest.raises(RuntimeError, match="ended a chunk without a token"):
         asyncio.run(go())
+
+
+def delta(codec, context: str, base: int, stop: list[str]) -> SegmentRequest:
+    """The segment for ``context`` as a router that knows the session holds ``base`` tokens sends it."""
+    ids = codec.encode(context)
+    return request(codec, context, stop).model_copy(update={"prompt_token_ids": ids[base:], "context_base": base})
+
+
+def test_a_segment_that_sends_only_what_is_new_gets_what_the_whole_context_gets():
+    codec, engine, session = setup()
+    first = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))[-1]
+    context = PROMPT + "First, b3 -> c12.\n\nThus, we are at c12.\n\n"
+    held = len(codec.encode(PROMPT)) + len(first.token_ids)  # the context and what the session wrote
+    (last,) = asyncio.run(collect(session, delta(codec, context, held, ["Wait,"])))
+    assert codec.decode(last.token_ids) == "Next, c12 -> v13.\n\nWait,"
+    (resumable,) = engine.requests  # continued, not restarted
+    assert resumable.feeds[2] == codec.encode(", we are at c12.\n\n")
+    assert session.seen == codec.encode(context) + last.token_ids
+
+
+def test_a_segment_that_continues_more_than_the_session_holds_is_a_context_gap():
+    from relay_serve.relay.types import ContextGap
+
+    codec, engine, session = setup()
+    first = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))[-1]
+    held = len(codec.encode(PROMPT)) + len(first.token_ids)
+    context = PROMPT + "First, b3 -> c12.\n\nThus, we"
+    with pytest.raises(ContextGap):
+        asyncio.run(collect(session, delta(codec, context, held + 1, ["."])))
+    asyncio.run(session.close())  # the session ended (reaped, or the router ended it): it holds nothing
+    with pytest.raises(ContextGap):
+        asyncio.run(collect(session, delta(codec, context, 1, ["."])))
+    (last,) = asyncio.run(collect(session, delta(codec, context, 0, ["."])))  # the whole context: served
+    assert codec.decode(last.token_ids) == " are at c12."
+
+
+def test_tokens_sent_again_keep_the_request_when_they_are_the_same_and_restart_it_when_not():
+    codec, engine, session = setup()
+    first = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))[-1]
+    n_prompt = len(codec.encode(PROMPT))
+    context = PROMPT + "First, b3 -> c12.\n\nThus, we are at c12.\n\n"
+    restarts = []
+    session.on_restart = lambda: restarts.append(1)
+    asyncio.run(collect(session, delta(codec, context, n_prompt, ["Wait,"])))  # resends the same tokens
+    assert restarts == [] and len(engine.requests) == 1
+    other = PROMPT + "First, b3 -> c12.\n\nSo, we are at c12.\n\n"  # tokens the KV holds, replaced
+    asyncio.run(collect(session, delta(codec, other, n_prompt, ["."])))
+    assert restarts == [1] and len(engine.requests) == 2
+    assert engine.requests[1].feeds[0] == codec.encode(other)  # the new request gets the whole context

@@ -405,3 +405,37 @@ def test_streamed_deltas_add_up_to_the_final_text_for_any_text(large, small):
     parts, result = stream(s, RelayGen(PolicySettings(max_small_segment_tokens=8), CUES + ["Wait,"]))
     assert "".join(parts) == result.text
     check_invariants(result)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    large=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=40).map("".join),
+    small=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=20).map("".join),
+    stops=st.lists(st.sampled_from(["c12", ". ", "we", "Wait"]), max_size=2),
+    speculative=st.booleans(),
+)
+def test_what_a_request_says_is_unchanged_of_its_context_is_what_its_engine_session_saw(large, small, stops, speculative):
+    """``SegmentRequest.unchanged`` (what a transport may leave out when it reaches the same
+    engine session) never claims a token of the context that differs from what that model's
+    previous request had and wrote, whatever the policy took back (sentence ends, EOS, drafts,
+    user stops)."""
+    scripts = {"large": lambda written: "<think>\n" + large if not written else large, "small": lambda written: small}
+    s, backend = make_session(scripts, max_tokens=120, stops=stops)
+    policy = SpeculativeThinking(PolicySettings(draft_tokens=4)) if speculative else RelayGen(PolicySettings(max_small_segment_tokens=8), CUES + ["Wait,"])
+    run(s, policy)
+    assert backend.unchanged_violations == []
+
+
+def test_a_relay_generation_says_all_of_each_context_but_the_other_models_tokens_is_unchanged():
+    """Without take-backs, a model's request leaves out (for a transport that can) everything but
+    what the other model wrote since: its previous request's context and output, which is the
+    context of the request that followed it."""
+    s, backend = make_session({"large": follow(REF), "small": follow(REF)})
+    r = run(s, RelayGen(PolicySettings(), CUES))
+    assert r.text == REF and backend.unchanged_violations == []
+    reqs = backend.requests
+    assert [q.model for q in reqs[:2]] == ["large", "small"] and reqs[0].unchanged == reqs[1].unchanged == 0
+    for i in range(2, len(reqs)):
+        j = max(k for k in range(i) if reqs[k].model == reqs[i].model)  # that model's previous request
+        assert reqs[i].unchanged == len(reqs[j + 1].prompt_token_ids), (i, reqs[i].model)
+        assert len(reqs[i].prompt_token_ids) - reqs[i].unchanged < len(reqs[i].prompt_token_ids) // 2

@@ -340,6 +340,58 @@ def test_a_relay_generation_continues_one_resumable_request_per_model():
     assert result.text == ref and large.engine.requests == [] and small.engine.requests == []
 
 
+def test_segments_on_a_held_session_carry_only_what_is_new_and_a_lost_session_gets_the_whole_context():
+    """Over the channel, a model's later segments send the tokens its engine session does not
+    hold (the other model's sentence), not the context; when the replica lost the session (reaped,
+    restarted) the segment is sent whole again and the generation is unchanged."""
+    from relay_serve.relay.policy import PolicySettings, RelayGen
+    from relay_serve.relay.session import Session
+    from relay_serve.relay.types import SamplingSettings
+    from tests.fakes import FakeCodec, FakeResumableEngine
+
+    prompt = "<think>\n"
+    ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nThus, v13 it is.\n</think>\n\nThe answer is v13."
+    codec = FakeCodec()
+    codec.encode(prompt + ref)
+
+    class Scripted(FakeResumableEngine):
+        def __init__(self, model, tokenizer=None, engine_args=None) -> None:
+            super().__init__(codec, lambda text: (prompt + ref)[len(text) :] if (prompt + ref).startswith(text) else "")
+
+    async def go(lose_after: int | None):
+        large = ModelServer("large", {"model": "toy:large"}, engine_cls=Scripted)
+        small = ModelServer("small", {"model": "toy:small"}, engine_cls=Scripted)
+        wire: list[tuple[str, int, int]] = []  # model, context_base, tokens sent
+        for server in (large, small):
+            segment = server.segment
+
+            def recording(request, stream, peer=None, segment=segment, server=server):
+                wire.append((server.role, request["context_base"], len(request["prompt_token_ids"])))
+                if lose_after is not None and len(wire) == lose_after:
+                    server.sessions.clear()  # the replica forgot the generation's sessions
+                return segment(request, stream, peer)
+
+            server.segment = recording
+        b = ServeBackend(FakeHandle(large), FakeHandle(small), resumable=True)
+        s = Session(backend=b, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
+        result = await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+        b.release("gen-1")
+        await asyncio.sleep(0.05)
+        return result, wire
+
+    result, wire = asyncio.run(go(None))
+    assert result.text == ref
+    firsts = {m: next(w for w in wire if w[0] == m) for m in ("large", "small")}
+    assert all(w[1] == 0 for w in firsts.values())  # nothing held yet: the whole context
+    later = [w for w in wire if w not in firsts.values()]
+    assert later and all(0 < sent < base for _, base, sent in later), wire  # the other model's tokens, not the context
+    # the replica loses its sessions while the third segment arrives: it is refused and sent whole
+    lost, wire = asyncio.run(go(3))
+    assert lost.text == ref
+    third = wire[2]
+    assert third[1] > 0 and wire[3][:1] == third[:1] and wire[3][1] == 0 and wire[3][2] > third[2], wire
+
+
 def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     """A batch (unstreamed) relay answer that takes 1 s on the small model, with a 0.3 s deadline:
     the deadline bounds its first token, so the small model writes all of it and the deployment
