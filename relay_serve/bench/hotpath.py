@@ -17,10 +17,14 @@ Also: how long the pause-token index of the vocabulary takes to build (once per 
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
 ``relay_cues`` can make), against the scan of every token text that the index replaced.
 
+The router tokenizes a request's prompt once; a long one (``OFF_LOOP_PROMPT_CHARS``) in a worker
+thread, off its event loop and so outside the router thread's CPU measured here: what it costs is
+reported apart (``prompt_tokenize_ms``, the prompt's ``encode`` timed alone).
+
 With ``--json`` the last line is ``{"vocab_size", "index_build_s", "pause_ids_ms",
 "pause_ids_scan_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
 "replica_cpu_ms_per_segment": {...}, "router_cpu_us_per_token": {...},
-"replica_cpu_us_per_token": {...}, "switches_per_request": {...}}``.
+"replica_cpu_us_per_token": {...}, "switches_per_request": {...}, "prompt_tokenize_ms": {...}}``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class HotpathReport(BaseModel):
     router_cpu_us_per_token: dict[str, float]
     replica_cpu_us_per_token: dict[str, float]
     switches_per_request: dict[str, float]
+    prompt_tokenize_ms: dict[str, float]
 
 
 # ---- the stand-in engine ---------------------------------------------------------------------
@@ -296,7 +301,14 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
                 out.append((r1 - r0, p1 - p0, resp.json()["usage"]))
         return out
 
-    per: dict[str, dict[str, float]] = {k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches")}
+    per: dict[str, dict[str, float]] = {k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize")}
+    for label, prompt in prompts.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            codec.encode(prompt)
+            times.append((time.perf_counter() - t0) * 1e3)
+        per["tokenize"][label] = round(statistics.median(times), 2)
 
     async def run_all() -> None:
         transport = httpx.ASGITransport(app=router.api)
@@ -312,7 +324,8 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
                     progress(
                         f"context {label}: {per['switches'][label]:.0f} switches a request; router {per['switch'][label]:.2f} ms "
                         f"CPU a switch, replicas {per['segment'][label]:.2f} ms CPU a segment; per token "
-                        f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us"
+                        f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us; the prompt's tokenization "
+                        f"{per['tokenize'][label]:.1f} ms a request"
                     )
         finally:
             backend.close()  # the leases go back; their calls end on the replicas' loop
@@ -333,6 +346,7 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         router_cpu_us_per_token={k: round(v, 1) for k, v in per["router_tok"].items()},
         replica_cpu_us_per_token={k: round(v, 1) for k, v in per["replica_tok"].items()},
         switches_per_request=per["switches"],
+        prompt_tokenize_ms=per["tokenize"],
     )
 
 

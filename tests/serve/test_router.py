@@ -396,3 +396,30 @@ def test_auto_runs_each_generation_as_relay_or_large_and_learns_their_speed():
     assert "policy" not in call(router, "POST", "/v1/chat/completions", chat("relay")).json()["usage"]["relay"]
     r = call(router, "POST", "/v1/chat/completions", chat("auto", relay_cues=["Thus,"]))
     assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it():
+    import threading
+
+    from relay_serve.serve.generations import OFF_LOOP_PROMPT_CHARS
+
+    router, _ = make_router()
+    codec = router.generations.codec
+    threads = []
+    encode = codec.encode
+
+    def recording(text):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return encode(text)
+
+    codec.encode = recording
+    try:
+        short = call(router, "POST", "/v1/completions", {"model": "large", "prompt": "Start at b3.", "max_tokens": 2})
+        long = "Start at b3. " * (OFF_LOOP_PROMPT_CHARS // 13 + 1)
+        big = call(router, "POST", "/v1/completions", {"model": "large", "prompt": long, "max_tokens": 2})
+    finally:
+        codec.encode = encode
+    assert short.status_code == 200 and threads[0] is True  # on the loop: a thread would cost more than it saves
+    # the long one (past the toy's 1,024-token context: a 400, after tokenizing it) in a worker thread
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
+    assert threads[1:] and not any(threads[1:])
