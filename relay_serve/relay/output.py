@@ -8,6 +8,7 @@ Knows nothing of Ray or vLLM.
 
 from __future__ import annotations
 
+import bisect
 import sys
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ class Output:
 
     def truncate(self, cut: int) -> None:
         """Drop the text from ``cut`` on and every token that starts there or later."""
-        keep = sum(1 for s in self.starts if s < cut)
+        keep = bisect.bisect_left(self.starts, cut)  # starts never decrease: the tokens that start before the cut
         del self.ids[keep:], self.owners[keep:], self.starts[keep:]
         self._cut()
         self.text = self.text[:cut]
