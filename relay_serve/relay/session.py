@@ -360,13 +360,17 @@ class Session:
         self.usage.wall_s = time.perf_counter() - t0
         return self.result()
 
-    async def stream(self, policy: Policy) -> AsyncIterator[TextDelta | GenerationResult]:
-        """Run ``policy``, yielding text deltas as they become final, then the result.
+    async def stream(self, policy: Policy, timeout_s: float | None = None) -> AsyncIterator[TextDelta | GenerationResult]:
+        """Run ``policy``, yielding text deltas as they become final, then the result. With
+        ``timeout_s`` the run is cancelled that long after it started, whoever reads the deltas
+        and however slowly: the iterator then yields what was final before and raises
+        ``TimeoutError``.
 
         Closing this iterator (a client that went away) cancels the policy and its engine request.
         """
         self._events = asyncio.Queue()
-        task = asyncio.create_task(self.run(policy))
+        run = self.run(policy) if timeout_s is None else asyncio.wait_for(self.run(policy), timeout_s)
+        task = asyncio.ensure_future(run)
         task.add_done_callback(lambda _: self._events.put_nowait(None))
         try:
             while True:

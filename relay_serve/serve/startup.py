@@ -90,7 +90,8 @@ class PairStartup:
     async def answered(self) -> None:
         """Until both deployments answered (or the pair was refused)."""
         self.start()
-        await asyncio.gather(*(asyncio.shield(t) for t in self._tasks.values()))
+        pending = [t for m, t in self._tasks.items() if m not in self.identities and self.error is None]
+        await asyncio.gather(*(asyncio.shield(t) for t in pending))
 
     def status(self) -> dict[str, Any]:
         """For ``/health``: what has answered and what the router waits for."""

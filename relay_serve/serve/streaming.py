@@ -61,22 +61,24 @@ async def events(generations: Generations, g: Generation) -> AsyncIterator[str]:
     metrics = generations.metrics
     status: int | None = CLIENT_GONE  # until the stream ends otherwise
     with generations.running(g):
-        stream = g.session.stream(g.policy)
+        # The deadline bounds the generation where it runs (the session's task), not this
+        # generator: a timeout across a ``yield`` would land in the writer of a slow client, which
+        # would get neither the error event nor [DONE].
+        stream = g.session.stream(g.policy, timeout_s=generations.cfg.router.request_timeout_s)
         try:
             if (line := fmt.start()) is not None:
                 yield line
-            async with asyncio.timeout(generations.cfg.router.request_timeout_s):
-                ttft_s: float | None = None
-                async for ev in stream:
-                    if isinstance(ev, TextDelta):
-                        ttft_s = g.age() if ttft_s is None else ttft_s
-                        yield fmt.delta(ev.text)
-                        continue
-                    status = None  # counted with the whole generation
-                    generations.finished(g, ev, ttft_s=g.age() if ttft_s is None else ttft_s)
-                    yield fmt.finish(ev.finish_reason)
-                    if (line := fmt.usage(ev)) is not None:
-                        yield line
+            ttft_s: float | None = None
+            async for ev in stream:
+                if isinstance(ev, TextDelta):
+                    ttft_s = g.age() if ttft_s is None else ttft_s
+                    yield fmt.delta(ev.text)
+                    continue
+                status = None  # counted with the whole generation
+                generations.finished(g, ev, ttft_s=g.age() if ttft_s is None else ttft_s)
+                yield fmt.finish(ev.finish_reason)
+                if (line := fmt.usage(ev)) is not None:
+                    yield line
         except TimeoutError:
             status = 504
             yield sse(error_body(generations.timeout_message(), "server_error", code="timeout"))

@@ -196,6 +196,32 @@ def test_a_generation_past_the_request_timeout_is_a_504():
     assert router.in_flight == 0 and backend.cancelled == 2  # both engine requests were aborted
 
 
+def test_a_stream_past_its_deadline_while_a_slow_client_reads_still_ends_with_the_error_and_done():
+    """The deadline fires while the client is being written to (it reads slowly): the generation
+    stops, and the client still gets the timeout event and [DONE], counted as a 504."""
+    from relay_serve.serve.openai_api import ChatCompletionRequest
+    from relay_serve.serve.streaming import events
+
+    router, backend = make_router(request_timeout_s=0.4)
+    backend.delay_s = 0.02
+    statuses = []
+    router.metrics.request = lambda model, status, *a, **k: statuses.append(status)
+
+    async def go():
+        await router.startup.answered()
+        g = await router.generations.prepare(ChatCompletionRequest.model_validate(chat(model="large", stream=True)))
+        lines = []
+        async for line in events(router.generations, g):
+            lines.append(line)
+            await asyncio.sleep(0.15)  # a slow client: most of the time is spent writing to it
+        return lines
+
+    lines = asyncio.run(go())
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == "timeout"
+    assert statuses == [504] and router.in_flight == 0
+
+
 def test_unknown_route_has_an_error_body():
     router, _ = make_router()
     r = call(router, "GET", "/v2/nothing")
