@@ -58,8 +58,8 @@ class SegmentHandler(Protocol):
     def segment(self, request: dict[str, Any], stream: bool, peer: Hashable | None = None) -> AsyncIterator[dict[str, Any]]:
         """EngineChunk mappings of one segment request (one for a non-streamed request)."""
 
-    async def end_session(self, session_id: str) -> None:
-        """A generation ended."""
+    async def end_session(self, session_id: str, peer: Hashable | None = None) -> None:
+        """A generation ended (``peer``: the connection that says so; only its own sessions end)."""
 
     async def peer_closed(self, peer: Hashable) -> None:
         """A connection closed: what it started is over."""
@@ -182,7 +182,7 @@ class SegmentServer:
                     return  # the router closed the connection (or died): its requests go with it
                 op, rid = message.get("op"), message.get("id")
                 if op == "end" and isinstance(message.get("session"), str):
-                    await self.handler.end_session(message["session"])
+                    await self.handler.end_session(message["session"], conn)  # only a session of this connection
                     continue
                 if not isinstance(rid, int):
                     log.warning("segment channel: a message without an id from %s; closing", peer)
@@ -194,6 +194,9 @@ class SegmentServer:
                     request, stream = message.get("request"), message.get("stream")
                     stream = stream if stream == "first" else bool(stream)
                     tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks, conn))
+                elif op == "generate":  # an id already running here: an error for that id, the connection lives on
+                    log.warning("segment channel: request id %d is already running on the connection from %s", rid, peer)
+                    writer.write(pack({"id": rid, "error": f"DuplicateRequest: request id {rid} is already running on this connection"}))
                 elif op == "cancel":
                     task = tasks.pop(rid, None)
                     if task is not None:

@@ -145,8 +145,12 @@ class ModelServer:
     def _restarted(self) -> None:
         self.session_restarts += 1
 
-    async def end_session(self, session_id: str) -> None:
-        """The generation ended: its resumable request goes (and its KV cache with it)."""
+    async def end_session(self, session_id: str, peer: Hashable | None = None) -> None:
+        """The generation ended: its resumable request goes (and its KV cache with it). Said over a
+        connection (``peer``), it ends only a session that connection's segments opened."""
+        if peer is not None and session_id in self._session_peers and self._session_peers[session_id] != peer:
+            log.warning("a connection asked to end session %s, which another connection runs; ignored", session_id)
+            return
         session = self.sessions.pop(session_id, None)
         self._session_peers.pop(session_id, None)
         if session is not None:

@@ -30,10 +30,12 @@ class Runner:
         self.started: list[dict] = []
         self.peers: list = []
         self.ended: list[str] = []
+        self.end_peers: list = []
         self.closed_peers: list = []
 
-    async def end_session(self, session_id: str) -> None:
+    async def end_session(self, session_id: str, peer=None) -> None:
         self.ended.append(session_id)
+        self.end_peers.append(peer)
 
     async def peer_closed(self, peer) -> None:
         self.closed_peers.append(peer)
@@ -240,6 +242,54 @@ def test_a_request_that_is_not_a_mapping_is_an_error_for_that_request():
     assert reply["id"] == 7 and "not a mapping" in reply["error"]
 
 
+def test_a_duplicate_request_id_is_an_error_for_that_id_and_the_connection_serves_on():
+    async def go():
+        runner = Runner(delay_s=0.05)
+        server = await serve(runner)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        generate = {"op": "generate", "id": 3, "token": server.token, "request": {"n": 4}, "stream": True}
+        writer.write(pack({"op": "hello", "token": server.token}) + pack(generate) + pack(generate))
+        import msgspec
+
+        replies = []
+        while not any(r.get("chunk", {}).get("finished") for r in replies):
+            (size,) = struct.unpack("!I", await reader.readexactly(4))
+            replies.append(msgspec.msgpack.decode(await reader.readexactly(size)))
+        writer.write(pack({**generate, "id": 4, "request": {"n": 1}}))  # the same connection serves on
+        (size,) = struct.unpack("!I", await reader.readexactly(4))
+        after = msgspec.msgpack.decode(await reader.readexactly(size))
+        writer.close()
+        await server.close()
+        return replies, after
+
+    replies, after = asyncio.run(go())
+    errors = [r for r in replies if "error" in r]
+    assert len(errors) == 1 and "already running" in errors[0]["error"]
+    assert [r["chunk"]["token_ids"] for r in replies if "chunk" in r] == [[0], [1], [2], [3]]  # the first ran to its end
+    assert after["id"] == 4 and after["chunk"]["finished"]
+
+
+def test_a_connection_ends_only_its_own_sessions():
+    from relay_serve.serve.model_server import ModelServer
+    from tests.serve.test_transport import FakeEngine
+
+    async def go():
+        server = ModelServer("large", {"model": "toy:large"}, engine_cls=FakeEngine)
+        server.sessions["gen-1"] = session = type("S", (), {"closed": False})()
+
+        async def close():
+            session.closed = True
+
+        session.close = close
+        server._session_peers["gen-1"] = "conn-a"
+        await server.end_session("gen-1", "conn-b")  # another router's connection
+        kept = "gen-1" in server.sessions and not session.closed
+        await server.end_session("gen-1", "conn-a")
+        return kept, "gen-1" in server.sessions, session.closed
+
+    assert asyncio.run(go()) == (True, False, True)
+
+
 def test_the_pool_opens_one_connection_per_replica_and_reopens_a_dropped_one():
     async def go():
         server = await serve(Runner())
@@ -277,7 +327,7 @@ def test_a_generation_end_reaches_the_replica_and_a_closed_connection_ends_its_p
         await collect(channel, {"n": 2})
         channel.end_session("gen-7")
         await collect(channel, {"n": 1})  # the end was read before this request
-        assert runner.ended == ["gen-7"] and runner.peers[0] == runner.peers[1] is not None
+        assert runner.ended == ["gen-7"] and runner.peers[0] == runner.peers[1] == runner.end_peers[0] is not None
         channel.close()
         for _ in range(100):
             if runner.closed_peers:
