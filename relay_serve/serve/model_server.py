@@ -71,6 +71,7 @@ class ModelServer:
         self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
         self._channel: SegmentServer | None = None
         self._channel_lock = asyncio.Lock()
+        self._reaper: asyncio.Task | None = None  # closes idle sessions while there are any
         log.info("ModelServer %s ready on replica %s (resumable requests: %s): %s", role, self.replica_id, self.resumable, self.engine.info())
 
     # ---- segments ------------------------------------------------------------------------------
@@ -140,7 +141,16 @@ class ModelServer:
             self._close_idle_sessions()
             session = self.sessions[session_id] = EngineSession(self.engine, session_id, self._pauses, on_restart=self._restarted)
             self._session_peers[session_id] = peer
+            if self._reaper is None or self._reaper.done():
+                self._reaper = asyncio.get_running_loop().create_task(self._reap_idle_sessions())
         return session
+
+    async def _reap_idle_sessions(self) -> None:
+        """While sessions are open: close those idle past ``SESSION_IDLE_S`` (each holds KV cache
+        and one of the engine's ``max_num_seqs``), checked every quarter of it."""
+        while self.sessions:
+            await asyncio.sleep(SESSION_IDLE_S / 4)
+            self._close_idle_sessions()
 
     def _restarted(self) -> None:
         self.session_restarts += 1

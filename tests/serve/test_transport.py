@@ -436,3 +436,27 @@ def test_one_slow_first_token_takes_out_its_own_segment_only():
         return refusal
 
     assert asyncio.run(go()) is None
+
+
+def test_idle_sessions_are_closed_on_a_timer_without_waiting_for_a_new_one(monkeypatch):
+    """A session whose router went quiet is closed after SESSION_IDLE_S even if no other session
+    is ever opened on that replica (its KV cache and engine slot come back)."""
+    from relay_serve.serve import model_server
+    from tests.fakes import FakeCodec, FakeResumableEngine
+
+    monkeypatch.setattr(model_server, "SESSION_IDLE_S", 0.2)
+    codec = FakeCodec()
+    codec.encode("a b")
+
+    class Resumable(FakeResumableEngine):
+        def __init__(self, model, tokenizer=None, engine_args=None) -> None:
+            super().__init__(codec, lambda text: "")
+
+    async def go():
+        server = ModelServer("large", {"model": "toy:large"}, engine_cls=Resumable)
+        server._session("gen-quiet", "conn-1")
+        opened = list(server.sessions)
+        await asyncio.sleep(0.5)
+        return opened, list(server.sessions)
+
+    assert asyncio.run(go()) == (["gen-quiet"], [])
