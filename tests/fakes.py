@@ -13,7 +13,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from relay_serve.engine.base import Engine, EngineInfo
-from relay_serve.relay.session import SmallModelUnavailable
+from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend, EngineChunk, ModelIdentity, SegmentRequest
 
 _PIECE = re.compile(r"</?think>|\n\n|\n| ?[A-Za-z]+| ?\d| ?[^\sA-Za-z\d]|\s")
@@ -121,7 +121,7 @@ class FakeBackend(Backend):
         try:
             for n, tid in enumerate(pieces, start=1):
                 if fault is not None and n > fault[1]:
-                    raise RuntimeError(f"{request.model} replica died")
+                    raise EngineError(f"{request.model} replica died")
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 text = self.codec.decode(pieces[:n])

@@ -195,7 +195,7 @@ class Session:
                 last = await self._engine_request(plan, max_tokens - len(tokens), tokens)
             except (SmallModelUnavailable, InvalidRequest):
                 raise  # the deployment cannot answer now, or the request is at fault: no point asking again
-            except Exception as e:  # noqa: BLE001 - any failure of one engine request is retried alike
+            except EngineError as e:  # an engine, a replica or the way to it failed: asked again (a bug is not)
                 failures += 1
                 log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, plan.model, failures, allowed, e)
                 if failures > allowed:

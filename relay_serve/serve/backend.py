@@ -18,14 +18,36 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import Backend, EngineChunk, EngineTraits, InvalidRequest, ModelIdentity, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import (
+    Backend,
+    ContextGap,
+    EngineChunk,
+    EngineTraits,
+    InvalidRequest,
+    ModelIdentity,
+    ModelRole,
+    SegmentRequest,
+    Streaming,
+)
 from relay_serve.serve.calls import own_request
+from relay_serve.serve.channel import RemoteError
 from relay_serve.serve.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
 
 TRAITS_TTL_S = 60.0  # a model's engine traits are asked again after this long (a rolling upgrade may change them)
 TRAITS_TIMEOUT_S = 5.0  # the longest a request waits for traits never known (a deployment starting or scaled to zero)
+
+
+def engine_failure(e: BaseException) -> bool:
+    """A failure of a model replica, its engine or the way to it (the session asks again, maybe
+    elsewhere), as opposed to a bug in the router: a connection or channel error, an error the
+    replica reported (``RemoteError``), a Ray or Ray Serve error (a dead actor, a replica's
+    exception through a handle call, no replica)."""
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
+
+    return isinstance(e, (OSError, EOFError, RemoteError, ContextGap, RayError, RayServeException))
 
 
 class ServeBackend(Backend):
@@ -171,7 +193,10 @@ class ServeBackend(Backend):
             raise SmallModelUnavailable(self._small_timed_out(timeout_s)) from e
         except InvalidRequest:
             raise  # the request's fault: a 400, not an engine failure
-        except Exception as e:  # noqa: BLE001 - the session decides whether to retry
+        except Exception as e:
+            if not engine_failure(e):  # a bug here: not retried, not blamed on an engine
+                log.error("a %s segment of %s failed in the router", model, request.session_id, exc_info=e)
+                raise
             raise EngineError(f"{model} deployment: {type(e).__name__}: {e}") from e
         finally:
             self.in_flight[model] -= 1

@@ -336,5 +336,5 @@ def failure(e: Exception, session_id: str) -> ClientError | ServerError:
     if isinstance(e, EngineError):
         log.warning("generation %s failed: %s", session_id, e)
         return ServerError(f"an engine failed: {e}", status=502, code="engine_error")
-    log.error("generation %s failed", session_id, exc_info=e)
-    return ServerError(f"the generation failed: {type(e).__name__}: {e}", status=502, code="engine_error")
+    log.error("generation %s failed with an error of relay-serve's own", session_id, exc_info=e)
+    return ServerError(f"the router failed (a bug in relay-serve): {type(e).__name__}: {e}", status=500, code="internal_error")

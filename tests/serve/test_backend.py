@@ -20,7 +20,9 @@ class FakeResponse:
     async def _gen(self):
         for i, c in enumerate(self.chunks):
             if self.fail_after is not None and i == self.fail_after:
-                raise RuntimeError("actor died")
+                from ray.exceptions import ActorDiedError
+
+                raise ActorDiedError()  # what a handle call to a dead replica raises
             yield c.model_dump()
 
     def cancel(self):
@@ -103,7 +105,7 @@ def test_a_failed_call_is_an_engine_error_for_the_session_to_retry():
     for model, after in (("small", 0), ("small", 1), ("large", 0)):
         h = FakeHandle(FakeResponse(CHUNKS, fail_after=after))
         b = ServeBackend(h, h, transport="handle")
-        with pytest.raises(EngineError, match="actor died"):
+        with pytest.raises(EngineError, match="ActorDiedError"):
             asyncio.run(drain(b, model))
         assert b.in_flight == {"large": 0, "small": 0} and b.small_refusal() is None
 
@@ -163,3 +165,21 @@ def test_past_the_queue_bound_small_segments_are_refused():
 
     during, after = asyncio.run(go())
     assert "past its queue bound (2 segments in flight" in during and after is None
+
+
+def test_a_bug_under_a_segment_is_raised_as_itself_not_as_an_engine_error():
+    """A TypeError in the router's own code is not an engine failure: the session must not retry
+    it and the client must not be told an engine failed."""
+
+    class Buggy(FakeResponse):
+        async def _gen(self):
+            yield CHUNKS[0].model_dump()
+            raise TypeError("a bug")
+
+    async def drain(b):
+        return [c async for c in b.generate(req("large"))]
+
+    h = FakeHandle(Buggy(CHUNKS))
+    b = ServeBackend(h, h, transport="handle")
+    with pytest.raises(TypeError, match="a bug"):
+        asyncio.run(drain(b))

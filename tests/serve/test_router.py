@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from relay_serve.relay.session import EngineError
 from relay_serve.relay.types import EngineChunk
 from relay_serve.serve.router import RelayRouter
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
@@ -233,7 +234,7 @@ def test_engine_failure_is_a_5xx_with_an_error_body():
 
     async def failing(request, stream=True, timeout_s=None):
         yield EngineChunk(token_ids=[1])
-        raise RuntimeError("replica died")
+        raise EngineError("replica died")
 
     backend.generate = failing
     r = call(router, "POST", "/v1/chat/completions", chat(model="large"))
@@ -242,6 +243,21 @@ def test_engine_failure_is_a_5xx_with_an_error_body():
     events = sse_events(rs.text)
     assert events[-1] == "[DONE]" and "replica died" in events[-2]["error"]["message"]
     assert router.in_flight == 0
+
+
+def test_a_bug_in_the_router_is_a_500_at_once_not_a_retried_engine_failure():
+    router, backend = make_router()
+    calls = []
+
+    async def buggy(request, stream=True, timeout_s=None):
+        calls.append(request)
+        yield EngineChunk(token_ids=[1])
+        raise TypeError("unsupported operand type(s) for -: 'float' and 'NoneType'")
+
+    backend.generate = buggy
+    r = call(router, "POST", "/v1/chat/completions", chat(model="large"))
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    assert "TypeError" in r.json()["error"]["message"] and len(calls) == 1  # not asked again
 
 
 def test_an_unavailable_small_model_is_a_503_for_the_modes_that_need_it():

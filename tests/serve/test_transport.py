@@ -78,7 +78,9 @@ class LeaseCall:
         self._stop.set()
 
     def die(self) -> None:
-        self._error = RuntimeError("ActorDiedError: the replica's actor died")
+        from ray.exceptions import ActorDiedError
+
+        self._error = ActorDiedError()  # what a lease call to a dead replica raises
         self._stop.set()
 
 
