@@ -163,6 +163,9 @@ class ModelServer:
             return
         session = self.sessions.pop(session_id, None)
         self._session_peers.pop(session_id, None)
+        if not self.sessions and self._reaper is not None:
+            self._reaper.cancel()  # started again with the next session
+            self._reaper = None
         if session is not None:
             await session.close()
 
