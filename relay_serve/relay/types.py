@@ -158,6 +158,11 @@ class Backend(ABC):
     def release(self, session_id: str) -> None:
         """The generation ended: forget it (give back what ``prepare`` or its requests took)."""
 
+    def has_replied(self, model: ModelRole) -> bool:
+        """Whether a segment of ``model`` got an answer from this backend yet (so its deployment
+        has a replica): what a deployment that may scale to zero is asked only after."""
+        return True
+
     async def traits(self, model: ModelRole) -> EngineTraits:
         """What ``model``'s engine can run (its replicas say); no limits when unknown."""
         return EngineTraits()

@@ -88,6 +88,7 @@ class ServeBackend(Backend):
         self._small_down_until = 0.0
         self._small_down_reason = ""
         self._small_last_reply = float("-inf")  # when a small-model segment last got a chunk
+        self._replied: set[ModelRole] = set()  # models a segment of which got a chunk
 
     def small_refusal(self) -> str | None:
         n, bound = self.in_flight["small"], self.max_small_in_flight
@@ -96,6 +97,9 @@ class ServeBackend(Backend):
         if time.monotonic() < self._small_down_until:
             return self._small_down_reason
         return None
+
+    def has_replied(self, model: ModelRole) -> bool:
+        return model in self._replied
 
     async def traits(self, model: ModelRole) -> EngineTraits:
         """What ``model``'s engine runs correctly, as one of its replicas says (``ModelServer.info``),
@@ -183,6 +187,7 @@ class ServeBackend(Backend):
                 except StopAsyncIteration:
                     break
                 deadline = None
+                self._replied.add(model)
                 if model == "small":
                     self._small_last_reply = time.monotonic()
                 yield chunk

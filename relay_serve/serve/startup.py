@@ -4,7 +4,9 @@ context length their engines allow. Runs in the router replica.
 
 The large deployment's answer makes the router ready: a relay generation needs the large model,
 and its tokenizer is the pair's. The small deployment's answer, when it comes (it may be scaled to
-zero, and relay then degrades to the large model), must report the same tokenizer, and gives the
+zero, and relay then degrades to the large model; a deployment that may scale to zero is asked only
+once one of its segments was answered, since a call queued for it would scale it up), must report
+the same tokenizer, and gives the
 pair's fingerprint: until then the router keeps the default cue set (a calibrated set is for one
 pair) and online calibration waits. A pair that does not share a tokenizer, or whose decoding
 loses the reasoning end marker, is refused: ``/health`` and every request say why.
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 30.0  # one ask of a deployment (a call waits for a replica to start); then asked again
 ASK_BACKOFF_S = 2.0  # after an ask that failed at once
+LAZY_POLL_S = 1.0  # a deployment that may scale to zero is asked once a segment of it was answered: looked at this often
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class PairStartup:
         }
 
     async def _ask(self, model: ModelRole) -> None:
+        if self._deployment(model).may_scale_to_zero:
+            # a call queued for a deployment without replicas would scale it up (Serve counts it as
+            # demand): ask once a segment of it has been answered, so it has a replica
+            while not self.backend.has_replied(model):
+                await asyncio.sleep(LAZY_POLL_S)
         while model not in self.identities:
             t0 = time.monotonic()
             try:
@@ -130,6 +138,9 @@ class PairStartup:
                 self.error = f"{type(e).__name__}: {e}"
                 log.error("refusing to serve this pair: %s", self.error)
             return
+
+    def _deployment(self, model: ModelRole):
+        return (self.cfg.large if model == "large" else self.cfg.small).deployment
 
     def _codec(self, identity: ModelIdentity) -> Codec:
         """The large deployment's tokenizer, checked (off the event loop: a real vocabulary takes a

