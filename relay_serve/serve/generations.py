@@ -132,19 +132,19 @@ class Generations:
                 code="model_unavailable",
             ) from e
 
-    @property
-    def codec(self) -> Codec:
+    def _served(self) -> ServedPair:
         pair = self.startup.pair
         if pair is None:
             raise RuntimeError("no request is prepared before the large deployment answered")
-        return pair.codec
+        return pair
+
+    @property
+    def codec(self) -> Codec:
+        return self._served().codec
 
     @property
     def max_model_len(self) -> int:
-        pair = self.startup.pair
-        if pair is None:
-            raise RuntimeError("no request is prepared before the large deployment answered")
-        return pair.max_model_len
+        return self._served().max_model_len
 
     async def _check_engines(self, models: tuple[ModelRole, ...], sampling: SamplingSettings, req: AnyRequest) -> None:
         """Refuse sampling that an engine of ``models`` would run wrongly or crash on (a
