@@ -87,8 +87,7 @@ class ServeBackend(Backend):
         self.in_flight = {"large": 0, "small": 0}
         self._small_down_until = 0.0
         self._small_down_reason = ""
-        self._small_last_reply = float("-inf")  # when a small-model segment last got a chunk
-        self._replied: set[ModelRole] = set()  # models a segment of which got a chunk
+        self._last_reply: dict[ModelRole, float] = {}  # per model: when a segment of it last got a chunk
 
     def small_refusal(self) -> str | None:
         n, bound = self.in_flight["small"], self.max_small_in_flight
@@ -99,7 +98,7 @@ class ServeBackend(Backend):
         return None
 
     def has_replied(self, model: ModelRole) -> bool:
-        return model in self._replied
+        return model in self._last_reply
 
     async def traits(self, model: ModelRole) -> EngineTraits:
         """What ``model``'s engine runs correctly, as one of its replicas says (``ModelServer.info``),
@@ -122,10 +121,10 @@ class ServeBackend(Backend):
             self._traits.setdefault(model, (time.monotonic() + TRAITS_TIMEOUT_S, EngineTraits()))
             return EngineTraits()
 
-    async def identity(self, model: ModelRole) -> ModelIdentity:
+    async def identity(self, model: ModelRole, tokenizer: bool = True) -> ModelIdentity:
         handle = self.handles[model]
         info = await own_request(handle.info.remote)
-        files = await own_request(handle.options(method_name="tokenizer_files").remote)
+        files = await own_request(handle.options(method_name="tokenizer_files").remote) if tokenizer else {}
         return ModelIdentity(tokenizer_files=files, **{k: info[k] for k in ("model_fingerprint", "tokenizer_fingerprint", "max_model_len")})
 
     async def _fetch_traits(self, model: ModelRole) -> EngineTraits:
@@ -162,7 +161,7 @@ class ServeBackend(Backend):
     def _small_timed_out(self, timeout_s: float) -> str:
         """Why a small-model segment missed its deadline; takes the deployment out for a while
         when none of its segments got a token during that time."""
-        if time.monotonic() - self._small_last_reply < timeout_s:
+        if time.monotonic() - self._last_reply.get("small", float("-inf")) < timeout_s:
             return f"the small model's first token took longer than {timeout_s} s (other small-model segments were answered)"
         self._small_down_until = time.monotonic() + self.small_retry_after_s
         self._small_down_reason = (
@@ -187,9 +186,7 @@ class ServeBackend(Backend):
                 except StopAsyncIteration:
                     break
                 deadline = None
-                self._replied.add(model)
-                if model == "small":
-                    self._small_last_reply = time.monotonic()
+                self._last_reply[model] = time.monotonic()
                 yield chunk
         except TimeoutError as e:
             self.transport.drop(request.session_id, model)  # a lease still queued in Serve goes too
