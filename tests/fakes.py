@@ -84,7 +84,7 @@ class FakeBackend(Backend):
     def small_refusal(self) -> str | None:
         return self.refusal
 
-    async def identity(self, model: str) -> ModelIdentity:
+    async def identity(self, model: str, tokenizer: bool = True) -> ModelIdentity:
         from relay_serve.tokenizer import tokenizer_files
 
         self.identity_calls += 1
@@ -92,7 +92,7 @@ class FakeBackend(Backend):
         if started is not None:
             await started.wait()
         codec = self.tokenizers.get(model, self.codec)
-        files = tokenizer_files(codec.tokenizer)
+        files = tokenizer_files(codec.tokenizer) if tokenizer else {}
         return ModelIdentity(
             model_fingerprint=f"fake-{model}", tokenizer_fingerprint=codec.fingerprint, max_model_len=self.max_model_len, tokenizer_files=files
         )

@@ -126,15 +126,16 @@ class ModelIdentity(BaseModel):
     model_fingerprint: str
     tokenizer_fingerprint: str
     max_model_len: int = Field(gt=0)
-    tokenizer_files: dict[str, bytes] = Field(repr=False)
+    tokenizer_files: dict[str, bytes] = Field(default_factory=dict, repr=False, description="empty unless asked for")
 
 
 class Backend(ABC):
     """Runs segment requests on the large or the small model."""
 
     @abstractmethod
-    async def identity(self, model: ModelRole) -> ModelIdentity:
-        """What ``model``'s deployment serves (``ModelIdentity``); waits for a replica."""
+    async def identity(self, model: ModelRole, tokenizer: bool = True) -> ModelIdentity:
+        """What ``model``'s deployment serves (``ModelIdentity``, with its tokenizer's files when
+        ``tokenizer``); waits for a replica."""
 
     @abstractmethod
     def generate(

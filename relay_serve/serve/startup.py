@@ -123,7 +123,8 @@ class PairStartup:
         while model not in self.identities:
             t0 = time.monotonic()
             try:
-                identity = await asyncio.wait_for(self.backend.identity(model), ASK_TIMEOUT_S)
+                # the pair's tokenizer is the large model's; of the small one its fingerprint is enough
+                identity = await asyncio.wait_for(self.backend.identity(model, tokenizer=model == "large"), ASK_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - starting, scaled to zero, restarting: asked again
@@ -161,9 +162,8 @@ class PairStartup:
         if large is not None and small is not None:
             check_shared(large.tokenizer_fingerprint, small.tokenizer_fingerprint, "the large deployment", "the small deployment")
             self.fingerprint = combine_fingerprints(large.model_fingerprint, small.model_fingerprint, large.tokenizer_fingerprint)
-        if codec is not None:
-            self.pair = ServedPair(codec=codec, max_model_len=identity.max_model_len)
-        if self.pair is not None and small is not None:
-            self.pair = ServedPair(codec=self.pair.codec, max_model_len=min(self.pair.max_model_len, small.max_model_len))
+        codec = codec if codec is not None else (self.pair.codec if self.pair is not None else None)
+        if codec is not None:  # the usable context: the smaller of the engines that answered
+            self.pair = ServedPair(codec=codec, max_model_len=min(i.max_model_len for i in self.identities.values()))
         if self.fingerprint is not None:
             self.on_pair(self.fingerprint)

@@ -365,9 +365,9 @@ def test_a_deployment_that_may_scale_to_zero_is_asked_only_once_a_segment_of_it_
     asked = []
     identity = backend.identity
 
-    async def recording(model):
+    async def recording(model, tokenizer=True):
         asked.append(model)
-        return await identity(model)
+        return await identity(model, tokenizer)
 
     backend.identity = recording
 
