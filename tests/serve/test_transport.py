@@ -303,16 +303,11 @@ def test_an_idle_lease_that_cannot_be_reused_is_given_back_once(caplog):
     assert "ValueError" not in caplog.text  # the expiry timer of a lease taken out of the pool
 
 
-def test_a_relay_generation_continues_one_resumable_request_per_model():
-    """RelayGen over the direct transport, with replicas whose engine has resumable requests:
-    one request per model for the whole generation, fed only what is new, ended with it."""
-    from relay_serve.relay.policy import PolicySettings, RelayGen
-    from relay_serve.relay.session import Session
-    from relay_serve.relay.types import SamplingSettings
+def scripted(prompt: str, ref: str):
+    """A codec and an engine class (resumable requests) whose model writes ``prompt + ref`` from
+    wherever its text stands, for real ModelServers behind the direct transport."""
     from tests.fakes import FakeCodec, FakeResumableEngine
 
-    prompt = "<think>\n"
-    ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n</think>\n\nThe answer is v13."
     codec = FakeCodec()
     codec.encode(prompt + ref)
 
@@ -320,12 +315,31 @@ def test_a_relay_generation_continues_one_resumable_request_per_model():
         def __init__(self, model, tokenizer=None, engine_args=None) -> None:
             super().__init__(codec, lambda text: (prompt + ref)[len(text) :] if (prompt + ref).startswith(text) else "")
 
+    return codec, Scripted
+
+
+async def relay_over(backend: ServeBackend, codec, prompt: str):
+    """One RelayGen generation (cue ``Thus,``) over ``backend``."""
+    from relay_serve.relay.policy import PolicySettings, RelayGen
+    from relay_serve.relay.session import Session
+    from relay_serve.relay.types import SamplingSettings
+
+    s = Session(backend=backend, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
+    return await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+
+
+def test_a_relay_generation_continues_one_resumable_request_per_model():
+    """RelayGen over the direct transport, with replicas whose engine has resumable requests:
+    one request per model for the whole generation, fed only what is new, ended with it."""
+    prompt = "<think>\n"
+    ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n</think>\n\nThe answer is v13."
+    codec, Scripted = scripted(prompt, ref)
+
     async def go(resumable: bool):
         large = ModelServer("large", {"model": "toy:large"}, engine_cls=Scripted)
         small = ModelServer("small", {"model": "toy:small"}, engine_cls=Scripted)
         b = ServeBackend(FakeHandle(large), FakeHandle(small), resumable=resumable)
-        s = Session(backend=b, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
-        result = await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+        result = await relay_over(b, codec, prompt)
         open_sessions = (len(large.sessions), len(small.sessions))
         b.release("gen-1")
         await asyncio.sleep(0.05)
@@ -346,19 +360,9 @@ def test_segments_on_a_held_session_carry_only_what_is_new_and_a_lost_session_ge
     """Over the channel, a model's later segments send the tokens its engine session does not
     hold (the other model's sentence), not the context; when the replica lost the session (reaped,
     restarted) the segment is sent whole again and the generation is unchanged."""
-    from relay_serve.relay.policy import PolicySettings, RelayGen
-    from relay_serve.relay.session import Session
-    from relay_serve.relay.types import SamplingSettings
-    from tests.fakes import FakeCodec, FakeResumableEngine
-
     prompt = "<think>\n"
     ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nThus, v13 it is.\n</think>\n\nThe answer is v13."
-    codec = FakeCodec()
-    codec.encode(prompt + ref)
-
-    class Scripted(FakeResumableEngine):
-        def __init__(self, model, tokenizer=None, engine_args=None) -> None:
-            super().__init__(codec, lambda text: (prompt + ref)[len(text) :] if (prompt + ref).startswith(text) else "")
+    codec, Scripted = scripted(prompt, ref)
 
     async def go(lose_after: int | None):
         large = ModelServer("large", {"model": "toy:large"}, engine_cls=Scripted)
@@ -375,8 +379,7 @@ def test_segments_on_a_held_session_carry_only_what_is_new_and_a_lost_session_ge
 
             server.segment = recording
         b = ServeBackend(FakeHandle(large), FakeHandle(small), resumable=True)
-        s = Session(backend=b, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
-        result = await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
+        result = await relay_over(b, codec, prompt)
         b.release("gen-1")
         await asyncio.sleep(0.05)
         return result, wire
