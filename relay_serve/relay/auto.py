@@ -5,14 +5,22 @@ Which path is faster depends on the pair, the engines (a speculative large engin
 small model write most tokens) and the load: relay saves decode steps of the large model, which
 count most while the engines are latency-bound and least when they are compute-bound, and each of
 its handoffs costs a prefill and a wait for the next step. Rather than model all that, the chooser
-measures it: for each load level (the generations in flight when a generation starts, in
-power-of-two buckets) it keeps a moving average of each path's seconds per output token, tries each
-path ``min_samples`` times, then takes the faster one, and still runs the other one generation in
-``explore_every`` so that its figure follows the engines as they change.
+measures it: for each load level (generations in flight, in power-of-two buckets) it keeps a moving
+average of each path's seconds per output token, tries each path ``min_samples`` times, then takes the
+faster one, and still runs the other one generation in ``explore_every`` so that its figure follows
+the engines as they change.
+
+A generation is chosen by the load when it starts but teaches the level of the load it ran under
+(the mean of the generations in flight over its life, from a ``LoadClock``): the first generations of
+a burst start with few others in flight and run under all of them, and taught the low levels what
+the high load costs.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,9 +42,44 @@ class AutoSettings(BaseModel):
     smoothing: float = Field(0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average")
 
 
-def bucket(load: int) -> int:
-    """The load level of ``load`` generations in flight: 1, 2, 4, 8, ... (the power of two at or below it)."""
-    return 1 << (max(1, load).bit_length() - 1)
+def bucket(load: float) -> int:
+    """The load level of ``load`` generations in flight: 1, 2, 4, 8, ..., the power of two nearest to it
+    on a log scale (a closed loop of 32 clients averages just under 32 in flight: level 32, as the
+    32 in flight that its generations start with)."""
+    return 1 << max(0, round(math.log2(max(1.0, load))))
+
+
+class LoadClock:
+    """The generations in flight, and their integral over time, so that a generation's mean load
+    over its life costs O(1): ``mark`` when it starts, ``mean_since`` when it ends."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.n = 0
+        self._area = 0.0  # generation-seconds so far
+        self._t = clock()
+
+    def _advance(self) -> float:
+        now = self.clock()
+        self._area += self.n * (now - self._t)
+        self._t = now
+        return now
+
+    def enter(self) -> tuple[float, float]:
+        """One more in flight; the mark to give ``mean_since`` when it ends."""
+        now = self._advance()
+        self.n += 1
+        return now, self._area
+
+    def leave(self) -> None:
+        self._advance()
+        self.n -= 1
+
+    def mean_since(self, mark: tuple[float, float]) -> float:
+        """The mean number in flight since ``mark`` (the marked generation included, while in flight)."""
+        now = self._advance()
+        t0, area0 = mark
+        return (self._area - area0) / (now - t0) if now > t0 else float(self.n)
 
 
 @dataclass
@@ -72,8 +115,8 @@ class AutoChooser:
         level.started[path] += 1
         return path
 
-    def record(self, path: Path, load: int, seconds: float, tokens: int) -> None:
-        """A generation of ``path`` that started at ``load`` took ``seconds`` for ``tokens`` output tokens."""
+    def record(self, path: Path, load: float, seconds: float, tokens: int) -> None:
+        """A generation of ``path`` that ran under ``load`` in flight (its mean) took ``seconds`` for ``tokens`` output tokens."""
         if tokens <= 0 or seconds <= 0:
             return
         figure = self.levels.setdefault(bucket(load), _Level()).figures[path]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
-from relay_serve.relay.auto import AutoChooser
+from relay_serve.relay.auto import AutoChooser, LoadClock
 from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, ModelRole, SamplingSettings
@@ -55,7 +55,7 @@ class Generation:
     arrived: float  # time.perf_counter() when the request arrived
     explored: bool = False  # online calibration: the reasoning is the large model's alone
     path: str = ""  # the policy it runs as: ``name``, or for auto the one it chose
-    load: int = 1  # generations in flight on this router when it started (itself included)
+    mark: tuple[float, float] | None = None  # the load clock when it started running (auto learns its mean load)
 
     def age(self) -> float:
         return time.perf_counter() - self.arrived
@@ -71,8 +71,12 @@ class Generations:
         self.cues = cues
         self.metrics = metrics
         self.shadow: ShadowScorer | None = None  # online cue calibration, when enabled
-        self.in_flight = 0
+        self.load = LoadClock()  # generations in flight on this router, over time
         self.auto = AutoChooser(cfg.policy.auto)
+
+    @property
+    def in_flight(self) -> int:
+        return self.load.n
 
     # ---- request -> generation -----------------------------------------------------------------
 
@@ -88,10 +92,9 @@ class Generations:
         self.metrics.cue_set_version(self.cues.active().version)
         cues, cue_version = self._cues(req, name)
         sampling = self._sampling(req)
-        load = self.in_flight + 1
         # auto: relay or large, whichever has been faster at this load; its engines are relay's
         await self._check_engines(("large", "small") if name == "auto" else make_policy(name, self.cfg.policy, []).models, sampling, req)
-        path = self.auto.choose(load) if name == "auto" else name
+        path = self.auto.choose(self.in_flight + 1) if name == "auto" else name
         explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
         if explored:
             cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue
@@ -111,7 +114,7 @@ class Generations:
         )
         session.usage.explored = explored
         session.usage.policy = path if name == "auto" else None
-        return Generation(req, session, policy, chat, name, arrived, explored, path=path, load=load)
+        return Generation(req, session, policy, chat, name, arrived, explored, path=path)
 
     async def _pair(self, arrived: float) -> ServedPair:
         """The served pair; a request that comes while the model deployments start waits for them,
@@ -265,11 +268,11 @@ class Generations:
     @contextlib.contextmanager
     def running(self, g: Generation) -> Iterator[None]:
         """While ``g`` runs: counted in flight; after it, its leases go back to the backend."""
-        self.in_flight += 1
+        g.mark = self.load.enter()
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.load.leave()
             self.backend.release(g.session.session_id)
 
     async def run(self, g: Generation) -> dict[str, Any]:
@@ -297,7 +300,8 @@ class Generations:
         self.metrics.request(g.name, 200, e2e)
         self.metrics.generation(g.name, result, ttft_s=ttft_s, e2e_s=e2e)
         if g.name == "auto":
-            self.auto.record(g.path, g.load, result.usage.wall_s, len(result.token_ids))
+            load = self.load.mean_since(g.mark) if g.mark is not None else float(self.in_flight)
+            self.auto.record(g.path, load, result.usage.wall_s, len(result.token_ids))
             self.metrics.auto_choice(g.path)
         if self.shadow is not None and g.path == "relay" and g.request.relay_cues is None:
             self.shadow.offer(g.session.prompt_ids, result.token_ids, g.session.output.owners, g.explored)

@@ -7,11 +7,59 @@ from collections import Counter
 
 import pytest
 
-from relay_serve.relay.auto import AutoChooser, AutoSettings, bucket
+from relay_serve.relay.auto import AutoChooser, AutoSettings, LoadClock, bucket
 
 
-def test_load_levels_are_powers_of_two():
-    assert [bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 31, 32, 33, 64, 100)] == [1, 1, 2, 2, 4, 4, 8, 16, 32, 32, 64, 64]
+def test_load_levels_are_the_nearest_powers_of_two_on_a_log_scale():
+    loads = (0, 1, 1.4, 1.5, 2, 2.8, 3, 5.6, 5.7, 8, 22.6, 22.7, 31.4, 32, 45, 46, 64, 100)
+    assert [bucket(n) for n in loads] == [1, 1, 1, 2, 2, 2, 4, 4, 8, 8, 16, 32, 32, 32, 32, 64, 64, 128]
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_load_clock_gives_each_generation_the_mean_load_of_its_life():
+    now = FakeTime()
+    clock = LoadClock(now)
+    a = clock.enter()  # t=0: a alone
+    now.t = 1.0
+    b = clock.enter()  # t=1: a and b
+    now.t = 3.0
+    assert clock.mean_since(b) == pytest.approx(2.0)  # b has only ever run beside a
+    clock.leave()
+    now.t = 4.0
+    assert clock.mean_since(a) == pytest.approx((1 * 1 + 2 * 2 + 1 * 1) / 4)
+    assert clock.n == 1
+
+
+def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
+    """64 clients start at once: the first ones start with 1, 2, 4 ... in flight but run under 64.
+    They teach level 64 only; level 1 then learns from generations that ran alone."""
+    now = FakeTime()
+    clock, chooser = LoadClock(now), AutoChooser(AutoSettings(min_samples=4, explore_every=20))
+    cost = {1: {"relay": 0.010, "large": 0.013}, 64: {"relay": 0.006, "large": 0.005}}  # s per token by level
+    burst = [(chooser.choose(clock.n + 1), clock.enter()) for _ in range(64)]
+    now.t = 10.0
+    for path, mark in burst:
+        chooser.record(path, clock.mean_since(mark), cost[64][path] * 100, 100)
+    for _ in burst:
+        clock.leave()
+    taught = {level for level, figures in chooser.state().items() if any(f["samples"] for f in figures.values())}
+    assert taught == {"64"}
+    alone = Counter()
+    for _ in range(100):
+        path = chooser.choose(clock.n + 1)
+        mark = clock.enter()
+        now.t += 1.0
+        chooser.record(path, clock.mean_since(mark), cost[1][path] * 100, 100)
+        clock.leave()
+        alone[path] += 1
+    assert alone["relay"] > 85  # 4 to learn large, then one in 20
 
 
 def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) -> Counter:

@@ -473,6 +473,26 @@ def test_auto_runs_each_generation_as_relay_or_large_and_learns_their_speed():
     assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"
 
 
+def test_auto_generations_that_ran_together_teach_the_load_they_ran_under():
+    """Eight auto requests sent at once start with 1 to 8 in flight but all run beside each other:
+    what they learn is level 8's, not that of the load each one started at."""
+    router, backend = make_router()
+    backend.delay_s = 0.005
+
+    async def go():
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat("auto", seed=i)) for i in range(8)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    taught = {
+        level: sum(f["samples"] for f in figures.values())
+        for level, figures in call(router, "GET", "/v1/relay/stats").json()["auto"].items()
+        if any(f["samples"] for f in figures.values())
+    }
+    assert taught == {"8": 8}
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it():
     import threading
 
