@@ -11,6 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from relay_serve.relay.detok import Decode, TokenStream, WindowStream
 from relay_serve.relay.text import THINK_CLOSE, THINK_OPEN
 
 if TYPE_CHECKING:
@@ -65,12 +66,46 @@ class Codec:
         ids = [i for i in token_ids if i not in self._dropped]
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def stream(self, context: Sequence[int] = ()) -> TokenStream:
+        """Incremental decoding of the tokens that follow ``context``: the text ``decode`` gives, a token at a time."""
+        return token_stream(self.tokenizer, self.decode, context, skip=self._dropped, skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     @property
     def fingerprint(self) -> str:
         return tokenizer_fingerprint(self.tokenizer)
+
+
+class FastStream(TokenStream):
+    """A fast tokenizer's own incremental decoder (tokenizers' ``DecodeStream``, as vLLM's
+    detokenizer uses it): O(1) a token, where a window decodes twice a token."""
+
+    def __init__(self, backend, decode: Decode, context: Sequence[int], skip: frozenset[int], skip_special_tokens: bool) -> None:
+        self.backend, self.skip, self.skip_special_tokens = backend, skip, skip_special_tokens
+        super().__init__(decode, context)
+        self._resync()
+
+    def _resync(self) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        ids = [i for i in self.ids if i not in self.skip]
+        self._decoder = DecodeStream(ids=ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, token_id: int) -> str | None:
+        if token_id in self.skip:  # writes no text: nothing to give unless other tokens wait for theirs
+            return "" if self.pending == 1 else None
+        return self._decoder.step(self.backend, token_id)
+
+
+def token_stream(tokenizer, decode: Decode, context: Sequence[int] = (), skip: frozenset[int] = frozenset(), skip_special_tokens: bool = False) -> TokenStream:
+    """The incremental decoder of a transformers tokenizer: its fast backend's where it has one, a
+    window over ``decode`` where not."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return WindowStream(decode, context)
+    return FastStream(backend, decode, context, skip, skip_special_tokens)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

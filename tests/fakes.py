@@ -13,6 +13,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from relay_serve.engine.base import Engine, EngineInfo
+from relay_serve.relay.detok import WindowStream
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend, EngineChunk, ModelIdentity, SegmentRequest
 
@@ -41,6 +42,9 @@ class FakeCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(self.pieces[i] for i in token_ids)
+
+    def stream(self, context: Sequence[int] = ()) -> WindowStream:
+        return WindowStream(self.decode, context)
 
 
 Script = Callable[[str], str]  # text written so far -> what the model writes from there

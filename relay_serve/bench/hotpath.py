@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from pydantic import BaseModel
 
 from relay_serve.config import CueSettings
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
+from relay_serve.relay.detok import TokenStream
 from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
 
 CUES = tuple(CueSettings.model_fields["default_cues"].default_factory())  # the service's default cue set, which the bench serves with
@@ -99,6 +100,9 @@ class InstantEngine(Engine):
 
     def decode(self, token_ids: list[int]) -> str:
         return self.codec.decode(token_ids)
+
+    def stream(self, context: Sequence[int] = ()) -> TokenStream:
+        return self.codec.stream(context)
 
     def info(self) -> EngineInfo:
         return EngineInfo(model="instant", max_model_len=self.max_model_len, tokenizer_fingerprint=self.codec.fingerprint)

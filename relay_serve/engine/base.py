@@ -10,12 +10,13 @@ on one model through such a request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from relay_serve.relay.detok import TokenStream, WindowStream
 from relay_serve.relay.types import EngineChunk, EngineTraits, SamplingSettings, SegmentRequest
 
 
@@ -102,6 +103,10 @@ class Engine(ABC):
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids, as the engine's own stop-string check would see it."""
         raise NotImplementedError
+
+    def stream(self, context: Sequence[int] = ()) -> TokenStream:
+        """Incremental ``decode`` of the tokens after ``context`` (a window unless an engine has better)."""
+        return WindowStream(self.decode, context)
 
     async def score(self, token_ids: list[int], start: int, request_id: str, top_k: int = 2) -> list[list[float]]:
         """Teacher-forced: the ``top_k`` largest log-probabilities at every position of

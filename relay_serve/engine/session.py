@@ -25,9 +25,8 @@ from collections.abc import AsyncIterator, Callable
 
 from relay_serve.engine.base import Engine, ResumableRequest
 from relay_serve.engine.stops import PauseTokens, first_stop, lookahead_stops
+from relay_serve.relay.detok import WINDOW
 from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest
-
-_CONTEXT = 8  # tokens of left context when decoding a segment's text (byte-level merges)
 
 
 class EngineSession:
@@ -88,12 +87,16 @@ class EngineSession:
         n_context = len(self.seen)
         feed = self.seen[self.n_known :]
         stops = tuple(request.stop)
+        longest = max(map(len, stops), default=1)
         pause_ids = self.pauses.ids(stops, frozenset(request.word_stops)) if stops else frozenset()
         left, generated = request.max_tokens, []
         last = EngineChunk(finished=True, finish_reason="length")
         cached = self.n_known
         ttft_s: float | None = None
         decode_s, steps, pauses, lookahead = 0.0, 0, 0, False
+        # the segment's text as vLLM's detokenizer gives it: decoded a token at a time after a little left context
+        left_context = self.seen[max(0, n_context - WINDOW) : n_context]
+        before, text, detok = self.engine.decode(left_context), "", self.engine.stream(left_context)
         while True:
             new: list[int] = []
             out = None
@@ -117,26 +120,21 @@ class EngineSession:
             if out.eos:
                 last = EngineChunk(finished=True, finish_reason="stop")
                 break
-            before, text = self._text(n_context, generated)
-            hit = first_stop(text, stops, request.word_stops, before)
+            # only text that can hold a stop completed by this chunk is searched: O(new), not O(segment)
+            lo = max(0, len(text) - longest + 1)
+            text += "".join(piece for t in new if (piece := detok.step(t)) is not None)
+            hit = first_stop(text[lo:], stops, request.word_stops, text[lo - 1] if lo else before)
             if hit is not None:
                 last = EngineChunk(finished=True, finish_reason="stop", stop_reason=hit[1])
                 break
             if left <= 0:
                 break
             pauses += 1  # a pause that stopped nothing: resume with the token it paused on
-            lookahead = lookahead_stops(text, stops, request.word_stops, before)
+            tail = (before[-longest - 1 :] + text[-longest - 1 :])[-longest - 1 :]  # all a stop's prefix and the character before it
+            lookahead = lookahead_stops(tail, stops, request.word_stops)
             feed = new[-1:]
         timing = {"cached_tokens": cached, "ttft_s": ttft_s, "decode_s": decode_s, "decode_steps": steps, "pauses": pauses}
         yield last.model_copy(update={"token_ids": [] if stream else generated, **timing})
-
-    def _text(self, n_context: int, generated: list[int]) -> tuple[str, str]:
-        """The end of the context's text and the segment's, as vLLM's detokenizer gives it (decoded
-        with a little left context)."""
-        left = self.seen[max(0, n_context - _CONTEXT) : n_context]
-        before = self.engine.decode(left)
-        full = self.engine.decode(left + generated)
-        return (before, full[len(before) :]) if full.startswith(before) else (before, self.engine.decode(generated))
 
     async def _close_request(self) -> None:
         request, self.request = self.request, None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest, SpecDecodeCounts
 from relay_serve.relay.types import EngineChunk, EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
-from relay_serve.tokenizer import tokenizer_fingerprint
+from relay_serve.relay.detok import TokenStream
+from relay_serve.tokenizer import token_stream, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class VLLMEngine(Engine):
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def stream(self, context: Sequence[int] = ()) -> TokenStream:
+        return token_stream(self._tokenizer, self.decode, context, skip_special_tokens=True)
 
     async def check_health(self) -> None:
         await self.engine.check_health()

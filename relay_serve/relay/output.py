@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from relay_serve.relay.types import ModelRole, TextCodec, TraceSegment
 
-_WINDOW = 8  # tokens of left context used to decode new tokens (byte-level merges, multi-byte chars)
-
 
 @dataclass
 class _Run:
@@ -34,6 +32,7 @@ class Output:
         self.owners: list[ModelRole] = []
         self.starts: list[int] = []  # character offset where each token's text begins
         self.text = ""
+        self._stream = codec.stream()  # the text of each token as it comes (incremental detokenization)
         self._pending = 0  # trailing tokens whose text is not decodable yet (a split UTF-8 char)
         self._stop_checked = 0  # no user stop starts before this offset
         self._emitted = 0
@@ -77,23 +76,18 @@ class Output:
         for tid in token_ids:
             self.ids.append(tid)
             self.owners.append(model)
-            self.starts.append(len(self.text))
-            self._pending += 1
-            self._decode_pending()
+            self.starts.append(len(self.text))  # tokens waiting for their text start where it will
+            piece = self._stream.step(tid)
+            if piece is None:
+                self._pending += 1
+            else:
+                self.text += piece
+                self._pending = 0
         self._apply_user_stops()
 
-    def _decode_pending(self) -> None:
-        n = len(self.ids)
-        lo = max(0, n - self._pending - _WINDOW)
-        before = self.codec.decode(self.ids[lo : n - self._pending])
-        full = self.codec.decode(self.ids[lo:n])
-        if full.endswith("\ufffd") and self._pending < 4:
-            return  # wait for the rest of a multi-byte character
-        new = full[len(before) :] if full.startswith(before) else full
-        start = len(self.text)
-        for i in range(n - self._pending, n):
-            self.starts[i] = start
-        self.text += new
+    def _restream(self) -> None:
+        """The tokens were cut: decode what comes next after those that stand."""
+        self._stream = self.codec.stream(self.ids)
         self._pending = 0
 
     def _apply_user_stops(self) -> None:
@@ -112,7 +106,7 @@ class Output:
         del self.ids[keep:], self.owners[keep:], self.starts[keep:]
         self._cut()
         self.text = self.text[:cut]
-        self._pending = 0
+        self._restream()
         while len(self._runs) > 1 and self._runs[-1].start >= cut:
             self._runs.pop()
 
@@ -124,6 +118,8 @@ class Output:
             del self.ids[-1], self.owners[-1], self.starts[-1]
             n += 1
         self._cut()
+        if n:
+            self._restream()
         return n
 
     # ---- reading -------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relay_serve.relay.detok import window_text
 from relay_serve.relay.output import Output
 from relay_serve.relay.text import sentence_end
 from relay_serve.relay.types import (
@@ -183,7 +184,7 @@ class Session:
             text = self.output.text[start_text:]
             tokens = self.output.ids[start_tokens:]
         else:
-            text = self.codec.decode(self.output.ids[-8:] + tokens)[len(self.codec.decode(self.output.ids[-8:])) :]
+            text = window_text(self.codec.decode, self.output.ids, tokens)  # once a segment: no stream to keep
         reason: FinishReason = last.finish_reason or ("stop" if self.output.stopped else "abort")
         return SegmentOutcome(plan.model, tokens, text, reason, last.stop_reason, start_text)
 

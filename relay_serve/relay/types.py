@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from relay_serve.relay.detok import TokenStream
 
 ModelRole = Literal["large", "small"]
 Streaming = bool | Literal["first"]  # "first": the first token at once, the rest in one piece
@@ -182,6 +185,10 @@ class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def stream(self, context: Sequence[int] = ()) -> TokenStream:
+        """Incremental ``decode`` of the tokens that follow ``context`` (``relay/detok.py``)."""
+        ...
 
 
 class TraceSegment(BaseModel):

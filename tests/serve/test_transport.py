@@ -401,6 +401,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     """A batch (unstreamed) relay answer that takes 1 s on the small model, with a 0.3 s deadline:
     the deadline bounds its first token, so the small model writes all of it and the deployment
     stays in service."""
+    from relay_serve.relay.detok import WindowStream
     from relay_serve.relay.session import Session
     from relay_serve.relay.types import SamplingSettings
 
@@ -410,6 +411,9 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
 
         def decode(self, ids):
             return "".join(f" {i}" for i in ids)
+
+        def stream(self, context=()):
+            return WindowStream(self.decode, context)
 
     async def go():
         b, (large, _), (small, _) = setup()
