@@ -12,8 +12,12 @@ its own, through Ray Serve, valid while the lease lives: the client's first fram
 "hello", "token": ...}`` with a live lease's token (else the connection is closed), and every
 ``{"op": "generate", "id", "stream", "token", "request"}`` carries the token of the lease it runs
 under (a segment under an ended lease is refused: Serve's admission and the API keys cannot be
-gone around with a token seen once). Also ``{"op": "cancel", "id"}`` and ``{"op": "end",
-"session"}`` (a generation ended: its resumable engine request goes). Replica to client: ``{"id",
+gone around with a token seen once). Also ``{"op": "cancel", "id"}``, ``{"op": "end",
+"session"}`` (a generation ended: its resumable engine request goes) and ``{"op": "attach",
+"token"}`` (a lease the router just took will be used on this connection). A lease is bound to
+every connection that attached it or sent a segment under it, and ends when one of them closes:
+a router that dies (its process gone, its sockets closed by the OS; TCP keepalive where its node
+went silent) frees its replica slots at once, not at the lease's TTL. Replica to client: ``{"id",
 "chunk"}`` (an EngineChunk as a mapping; a non-streamed request gets one, the whole output) or
 ``{"id", "error"}`` (with ``"invalid": param`` when the engine refuses the request as invalid:
 the client's fault, never retried; with ``"gap": true`` when the segment continues a context the
@@ -93,10 +97,17 @@ async def read_message(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTE
     return message
 
 
-def _no_delay(writer: asyncio.StreamWriter) -> None:
+KEEPALIVE_S = (10, 5, 3)  # idle seconds before the first probe, between probes, probes: a silent peer is gone in 25 s
+
+
+def _no_delay(writer: asyncio.StreamWriter, keepalive: bool = False) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if keepalive and hasattr(socket, "TCP_KEEPIDLE"):  # Linux: a router whose node went silent
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in zip((socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT), KEEPALIVE_S):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 # ---- the replica's end ---------------------------------------------------------------------------
@@ -111,6 +122,8 @@ class SegmentServer:
         self.host = host
         self.port = port
         self._tokens: set[bytes] = set()
+        self._ended: dict[str, asyncio.Event] = {}  # per live lease token: set when a connection it was used on closes
+        self._bound: dict[int, set[str]] = {}  # per connection: the lease tokens used on it
         self.connections = 0
         self.refused = 0
         self._server: asyncio.Server | None = None
@@ -130,6 +143,14 @@ class SegmentServer:
 
     def revoke_token(self, token: str) -> None:
         self._tokens.discard(token.encode())
+        self._ended.pop(token, None)
+
+    async def lease_ended(self, token: str) -> None:
+        """Returns when a connection that used ``token`` closes (its router is gone or gave up)."""
+        await self._ended.setdefault(token, asyncio.Event()).wait()
+
+    def _bind(self, token: str, conn: int) -> None:
+        self._bound.setdefault(conn, set()).add(token)
 
     def _valid(self, token: Any) -> bool:
         if not isinstance(token, str):
@@ -159,7 +180,7 @@ class SegmentServer:
             await self._server.wait_closed()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _no_delay(writer)
+        _no_delay(writer, keepalive=True)
         peer = writer.get_extra_info("peername")
         conn = next(self._peers)
         tasks: dict[int, asyncio.Task] = {}
@@ -175,12 +196,17 @@ class SegmentServer:
                 log.warning("segment channel: refused a connection from %s (no valid token)", peer)
                 return
             self.connections += 1
+            self._bind(hello["token"], conn)
             while True:
                 try:
                     message = await read_message(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the router closed the connection (or died): its requests go with it
                 op, rid = message.get("op"), message.get("id")
+                if op == "attach":
+                    if self._valid(message.get("token")):
+                        self._bind(message["token"], conn)
+                    continue
                 if op == "end" and isinstance(message.get("session"), str):
                     await self.handler.end_session(message["session"], conn)  # only a session of this connection
                     continue
@@ -191,6 +217,7 @@ class SegmentServer:
                     if not self._valid(message.get("token")):
                         writer.write(pack({"id": rid, "error": "LeaseExpired: the segment's lease is not live on this replica"}))
                         continue
+                    self._bind(message["token"], conn)
                     request, stream = message.get("request"), message.get("stream")
                     stream = stream if stream == "first" else bool(stream)
                     tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks, conn))
@@ -209,6 +236,9 @@ class SegmentServer:
                 task.cancel()
             self._writers.discard(writer)
             writer.close()
+            for token in self._bound.pop(conn, ()):  # the leases used here end (those still live)
+                if token.encode() in self._tokens:
+                    self._ended.setdefault(token, asyncio.Event()).set()
             if tasks:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
             await self.handler.peer_closed(conn)
@@ -270,6 +300,11 @@ class Channel:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def attach(self, token: str) -> None:
+        """The lease of ``token`` will be used on this connection: it ends if the connection closes."""
+        if self.closed is None and not self._writer.is_closing():
+            self._writer.write(pack({"op": "attach", "token": token}))
 
     def end_session(self, session_id: str) -> None:
         """Tell the replica that a generation ended (its resumable engine requests go)."""

@@ -14,6 +14,7 @@ injected (tests pass a fake).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -186,14 +187,16 @@ class ModelServer:
     async def lease(self, lease_id: str, ttl_s: float) -> AsyncIterator[dict[str, Any]]:
         """Hold this replica for a router's generations, one at a time: first the segment
         channel's address and a token of this lease's own, then nothing until the router cancels
-        the call or ``ttl_s`` passes; the token dies with the lease. Ray Serve counts the open
-        call as an ongoing request of this replica."""
+        the call, a channel connection the lease was used on closes (its router died: Serve does
+        not cancel a dead caller's call), or ``ttl_s`` passes; the token dies with the lease. Ray
+        Serve counts the open call as an ongoing request of this replica."""
         channel = await self._segment_channel()
         token = channel.issue_token()
         self.leases_held += 1
         try:
             yield {"address": channel.address, "token": token, "replica_id": self.replica_id, "resumable": self.resumable}
-            await asyncio.sleep(ttl_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(channel.lease_ended(token), ttl_s)
         finally:
             self.leases_held -= 1
             channel.revoke_token(token)

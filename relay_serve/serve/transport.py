@@ -93,13 +93,14 @@ class Lease:
     """A hold on one model replica (a streamed ``ModelServer.lease`` call), used by one
     generation at a time."""
 
-    def __init__(self, handle, model: ModelRole, ttl_s: float, on_lost) -> None:
+    def __init__(self, handle, model: ModelRole, ttl_s: float, on_lost, on_granted=None) -> None:
         self.model = model
         self.created = time.monotonic()
         self.idle_since: float | None = None
         self.released = False
         self.ended = False
         self._on_lost = on_lost
+        self._on_granted = on_granted or (lambda info: None)
         self.info: asyncio.Future[LeaseInfo] = asyncio.get_running_loop().create_future()
         self.info.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "never retrieved"
         lease_id = f"lease-{uuid.uuid4().hex[:12]}"
@@ -120,7 +121,9 @@ class Lease:
         try:
             async for message in self._response:
                 if not self.info.done():
-                    self.info.set_result(LeaseInfo(message["address"], message["token"], message["replica_id"], bool(message.get("resumable"))))
+                    info = LeaseInfo(message["address"], message["token"], message["replica_id"], bool(message.get("resumable")))
+                    self.info.set_result(info)
+                    self._on_granted(info)
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - the replica died, or the lease was cancelled
@@ -178,14 +181,16 @@ class DirectTransport:
         # per generation and model: the lease whose replica's engine session holds its context after
         # its last segment (the next one sends only what is new)
         self.continued: dict[tuple[str, ModelRole], Lease] = {}
+        self._attaching: set[asyncio.Task] = set()
 
     def _lease(self, session_id: str, model: ModelRole) -> Lease:
         held = self.leases.setdefault(session_id, {})
         lease = held.get(model)
         if lease is not None and lease.granted and not self._in_rotation(lease):
-            lease.release()  # its replica is draining (a downscale): move on at this segment boundary
+            self._end_session(lease, session_id)  # its replica is draining (a downscale): move on at this segment boundary
+            lease.release()
         if lease is None or not lease.usable:
-            lease = held[model] = self._reuse(model) or Lease(self.handles[model], model, self.ttl_s, self._lost)
+            lease = held[model] = self._reuse(model) or Lease(self.handles[model], model, self.ttl_s, self._lost, self._attach)
         return lease
 
     def _in_rotation(self, lease: Lease) -> bool:
@@ -216,6 +221,20 @@ class DirectTransport:
         if lease.idle_since == since:  # still idle since then (not taken and given back again)
             self.idle[lease.model].remove(lease)
             lease.release()
+
+    def _attach(self, info: LeaseInfo) -> None:
+        """A granted lease is bound to this router's connection to its replica at once (the
+        replica ends it when the connection closes), not only at its first segment."""
+
+        async def attach() -> None:
+            try:
+                (await self.pool.get(info.address, info.token)).attach(info.token)
+            except Exception as e:  # noqa: BLE001 - the lease's first segment finds out and retries
+                log.info("could not attach a lease on replica %s: %s", info.replica_id, e)
+
+        task = asyncio.get_running_loop().create_task(attach())
+        self._attaching.add(task)
+        task.add_done_callback(self._attaching.discard)
 
     def _lost(self, lease: Lease, error: BaseException) -> None:
         """A lease failed under way (its replica died): fail the segments open there now."""

@@ -417,3 +417,35 @@ def test_a_request_nobody_reads_fails_instead_of_growing_without_end(monkeypatch
 
     cancelled, other = asyncio.run(go())
     assert cancelled == [50] and other == 3
+
+
+def test_leases_end_when_a_connection_they_were_used_on_closes():
+    """A router that dies closes its connections: the leases it used on them (by its hello, an
+    attach, or a segment) end there, while a lease used elsewhere or never lives on."""
+
+    async def ended(server, token, within_s=1.0) -> bool:
+        try:
+            await asyncio.wait_for(server.lease_ended(token), within_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def go():
+        server = await serve(Runner())
+        attached, used, elsewhere, unused = (server.issue_token() for _ in range(4))
+        channel = await connect(server)  # hello with server.token
+        channel.attach(attached)
+        await collect(channel, {"n": 1}, token=used)
+        other = await Channel.connect(server.address, elsewhere)
+        await collect(other, {"n": 1}, token=elsewhere)
+        assert not await ended(server, server.token, within_s=0.1)  # the connection is open: the lease lives
+        channel.close()
+        results = [await ended(server, t) for t in (server.token, attached, used)]
+        lives_on = [await ended(server, t, within_s=0.2) for t in (elsewhere, unused)]
+        assert len(await collect(other, {"n": 1}, token=elsewhere)) == 1
+        other.close()
+        await server.close()
+        return results, lives_on
+
+    results, lives_on = asyncio.run(go())
+    assert results == [True, True, True] and lives_on == [False, False]

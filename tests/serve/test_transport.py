@@ -469,3 +469,56 @@ def test_idle_sessions_are_closed_on_a_timer_without_waiting_for_a_new_one(monke
         return opened, list(server.sessions)
 
     assert asyncio.run(go()) == (["gen-quiet"], [])
+
+
+def resumable_setup(**kw):
+    """Replicas whose engine has resumable requests (a segment opens an engine session there)."""
+    codec, Scripted = scripted("a", " b c d e f")
+    large = ModelServer("large", {"model": "toy:large"}, engine_cls=Scripted)
+    small = ModelServer("small", {"model": "toy:small"}, engine_cls=Scripted)
+    hl, hs = FakeHandle(large), FakeHandle(small)
+    return ServeBackend(hl, hs, **kw), codec, (large, hl), (small, hs)
+
+
+def test_a_router_that_dies_frees_its_leases_and_sessions_on_the_replicas_at_once():
+    """A router's process dies: Serve does not cancel its lease calls, but its connections close.
+    The leases it held end on the replicas (the small one too, taken ahead of any segment: it was
+    attached when granted), and so do the engine sessions of its generations."""
+
+    async def go():
+        b, codec, (large, hl), (small, hs) = resumable_setup(lease_ttl_s=600.0)
+        b.prepare("gen-1", ["large", "small"])
+        await run(b, SegmentRequest(model="large", prompt_token_ids=codec.encode("a"), max_tokens=2, session_id="gen-1"))
+        b.prepare("gen-2", ["large", "small"])
+        await asyncio.sleep(0.05)  # the leases are granted and attached
+        before = (large.leases_held, small.leases_held, len(large.sessions))
+        b.transport.pool.close()  # the process is gone: its sockets close; nobody cancels or releases
+        for _ in range(100):
+            if large.leases_held == small.leases_held == len(large.sessions) == 0:
+                break
+            await asyncio.sleep(0.01)
+        after = (large.leases_held, small.leases_held, len(large.sessions))
+        cancelled = [c.cancelled for c in hl.calls + hs.calls]
+        return before, after, cancelled
+
+    before, after, cancelled = asyncio.run(go())
+    assert before == (2, 2, 1) and after == (0, 0, 0)
+    assert not any(cancelled)  # the replicas ended the leases themselves
+
+
+def test_a_lease_on_a_replica_out_of_rotation_ends_its_engine_session_there_when_replaced():
+    async def go():
+        rotation = {"in": True}
+        b, codec, (large, hl), _ = resumable_setup()
+        b.transport.in_rotation = lambda model, replica_id: rotation["in"]
+        segment = SegmentRequest(model="large", prompt_token_ids=codec.encode("a"), max_tokens=2, session_id="gen-1")
+        await run(b, segment)
+        first = large.sessions.get("gen-1")
+        rotation["in"] = False  # Serve drains the replica: the next segment takes a new lease
+        await run(b, segment)
+        await asyncio.sleep(0.05)
+        return first, large.sessions.get("gen-1"), len(hl.calls), hl.calls[0].cancelled
+
+    first, now, calls, cancelled = asyncio.run(go())
+    # the one replica here is also where the new lease lands: the old session ended, a new one runs
+    assert first is not None and now is not None and now is not first and calls == 2 and cancelled
