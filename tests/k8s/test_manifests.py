@@ -276,3 +276,20 @@ def test_every_pod_is_scrapeable_and_the_podmonitor_finds_them():
     assert (rule["sourceLabels"], rule["regex"], rule["targetLabel"], rule["replacement"]) == (
         local_rule["source_labels"], local_rule["regex"], local_rule["target_label"], local_rule["replacement"]
     )
+
+
+def test_every_pod_with_a_serve_proxy_is_ready_only_when_the_app_can_serve():
+    """Every node runs a Serve proxy (proxy_location: EveryNode), so every pod's readiness is the
+    router's /health on the proxy's port (503 until the model deployments answered)."""
+    (svc,) = documents("rayservice.yaml")
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    assert serve_config["proxy_location"] == "EveryNode"
+    port = serve_config["http_options"]["port"]
+    prefix = serve_config["applications"][0]["route_prefix"].rstrip("/")
+    cluster = svc["spec"]["rayClusterConfig"]
+    for name, group in [("head", cluster["headGroupSpec"])] + list(_groups(svc["spec"]).items()):
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container.get("readinessProbe")
+        assert probe is not None, name
+        assert probe["httpGet"] == {"path": prefix + "/health", "port": port}, name
+        assert "livenessProbe" not in container, name  # KubeRay's own (raylet and GCS health) stays
