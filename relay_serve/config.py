@@ -195,6 +195,13 @@ class OnlineCalibration(Strict):
     publish_interval_s: float = Field(300.0, gt=0.0, description="how often the shared statistics re-select")
     max_queue: int = Field(8, ge=1, description="generations waiting to be scored per router; more are dropped")
     candidates: list[str] | None = Field(None, description="the cues to keep statistics of (default: the calibration job's)")
+    window_generations: int = Field(
+        2000, ge=1, description="the statistics cover the newest this many scored generations: every cue's occurrences and the baseline alike"
+    )
+    confirm_rounds: int = Field(
+        2, ge=1, description="a different selection is published only after this many re-selections in a row gave it (no flip-flopping)"
+    )
+    score_timeout_s: float = Field(60.0, gt=0.0, description="a scoring call that takes longer is given up (one sample lost)")
 
     def selection_rule(self) -> SelectionRule:
         return SelectionRule(rule=self.rule, min_occurrences=self.min_occurrences, confidence=self.confidence)

@@ -95,6 +95,7 @@ class ActiveCues(BaseModel):
     cues: list[str]
     loaded_at: datetime
     source: str = Field(description="'default' or the store URI of the set")
+    created_at: datetime | None = Field(None, description="when the set was calibrated (None: the default set)")
 
 
 def _file_digest(path: Path, h) -> None:

@@ -8,8 +8,15 @@ Layout under the store's prefix:
     PINNED                    present after a rollback: the pinned version (online publishing pauses)
     online/stats.json         online calibration's shared statistics (serve/cue_stats.py)
 
+    moves/<sequence>.json     every move of LATEST, in order: {version, previous, at}
+
 ``publish`` writes the version first and moves ``LATEST`` last, so a reader sees either the old
-set or the new one, never half of one. On a local file system ``LATEST`` is written under a
+set or the new one, never half of one. A move is a conditional write: the next move's file is
+created only if it does not exist (``O_EXCL`` on file://, ``If-None-Match: *`` on s3, generation
+0 on gs), so of two publishers that read the same head (the offline job and the online actor) one
+wins and the other finds out: the online actor (``expect_latest``) gives up and decides again on
+the new set, the offline job moves on top of it. No move is lost and the log is the history;
+``LATEST`` is its copy for readers, rewritten until it names the newest move. On a local file system ``LATEST`` is written under a
 temporary name and renamed over the old one (a rename is atomic; a rewrite in place can be read
 empty); object stores replace an object whole. Every path is built here from a validated version name:
 nothing outside the prefix is ever written.
@@ -18,9 +25,11 @@ nothing outside the prefix is ever written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, Final
 
 import fsspec
 
@@ -35,6 +44,19 @@ class StoreError(RuntimeError):
 
 class CorruptCueSet(StoreError):
     """The store holds something that is not a valid cue set."""
+
+
+class PublishConflict(StoreError):
+    """LATEST moved since the publisher read it (another publisher won the move)."""
+
+
+class _Any:
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Final = _Any()  # publish over whatever LATEST names by then
+MAX_MOVE_TRIES = 20
 
 
 def check_version(version: str) -> str:
@@ -55,25 +77,107 @@ class CueStore:
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
-    def publish(self, cue_set: CueSet) -> str:
-        """Write ``cue_set`` as a new version, then point ``LATEST`` at it. Returns its URI."""
+    def publish(self, cue_set: CueSet, expect_latest: str | None | _Any = ANY) -> str:
+        """Write ``cue_set`` as a new version, then move ``LATEST`` to it: from ``expect_latest``
+        (None: from no set) or, by default, from whatever it names by then. Returns its URI; a
+        ``PublishConflict`` (and no version written) when ``LATEST`` no longer names ``expect_latest``."""
         version = check_version(cue_set.version)
         path = self._path("versions", f"{version}.json")
         try:
+            if expect_latest is not ANY and self.head()[1] != expect_latest:
+                raise PublishConflict(f"LATEST is {self.head()[1]}, not {expect_latest}")
             if self.fs.exists(path):
                 raise StoreError(f"version {version} already exists in {self.uri}")
             self.fs.makedirs(self._path("versions"), exist_ok=True)
             self.fs.pipe_file(path, cue_set.model_dump_json(indent=2).encode())
-            self._replace(self._path("LATEST"), version.encode())
+            try:
+                self._move(version, expect_latest)
+            except PublishConflict:
+                self.fs.rm(path)  # it never became LATEST: no trace of it
+                raise
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - any driver error is a store error
             raise StoreError(f"cannot write to cue store {self.uri}: {type(e).__name__}: {e}") from e
         return f"{self.uri}/versions/{version}.json"
 
+    def head(self) -> tuple[int, str | None]:
+        """The newest move of ``LATEST``: its sequence number and version (a store from before the
+        move log: 0 and what ``LATEST`` names)."""
+        folder = self._path("moves")
+        self.fs.invalidate_cache(folder)  # other publishers (other processes) moved it: never a cached listing
+        try:
+            names = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            names = []
+        seqs = sorted(int(stem) for n in names if n.endswith(".json") and (stem := n.rsplit("/", 1)[-1].removesuffix(".json")).isdigit())
+        if not seqs:
+            return 0, self.latest_version()
+        return seqs[-1], check_version(json.loads(self.fs.cat_file(self._move_path(seqs[-1])))["version"])
+
+    def moves(self) -> list[dict[str, Any]]:
+        """Every move of ``LATEST``, oldest first: {version, previous, at}."""
+        try:
+            names = sorted(n for n in self.fs.ls(self._path("moves"), detail=False) if n.endswith(".json"))
+        except FileNotFoundError:
+            return []
+        return [json.loads(self.fs.cat_file(n)) for n in names]
+
+    def _move_path(self, seq: int) -> str:
+        return self._path("moves", f"{seq:010d}.json")
+
+    def _move(self, version: str, expect: str | None | _Any) -> None:
+        for _ in range(MAX_MOVE_TRIES):
+            seq, current = self.head()
+            if expect is not ANY and current != expect:
+                raise PublishConflict(f"LATEST moved to {current} (expected {expect})")
+            move = {"version": version, "previous": current, "at": datetime.now(timezone.utc).isoformat()}
+            path = self._move_path(seq + 1)
+            self.fs.makedirs(self._path("moves"), exist_ok=True)
+            try:
+                self._create(path, json.dumps(move).encode())  # exclusive: the conditional write
+            except Exception:
+                self.fs.invalidate_cache(self._path("moves"))
+                if not self.fs.exists(path):
+                    raise  # not a lost race: a store error
+                if expect is not ANY:
+                    raise PublishConflict(f"another publisher moved LATEST first (move {seq + 1})") from None
+                continue  # the default: on top of the winner
+            self._settle_latest()
+            return
+        raise StoreError(f"could not move LATEST in {self.uri}: {MAX_MOVE_TRIES} publishers moved it first")
+
+    def _local(self) -> bool:
+        return "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def _create(self, path: str, data: bytes) -> None:
+        """Write ``path`` whole if it does not exist yet; FileExistsError (or the object store's
+        precondition error) if it does. On a local file system the content goes under another name
+        first and is linked in (``link`` fails on an existing name): a reader never sees it half written."""
+        if not self._local():
+            self.fs.pipe_file(path, data, mode="create")  # s3: If-None-Match *, gs: generation 0, whole objects
+            return
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        self.fs.pipe_file(tmp, data)
+        try:
+            os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+
+    def _settle_latest(self) -> None:
+        """``LATEST`` names the newest move (rewritten until it does: a slower publisher's copy
+        never stays over a newer one)."""
+        written = None
+        for _ in range(MAX_MOVE_TRIES):
+            version = self.head()[1]
+            if version is None or version == written:
+                return
+            self._replace(self._path("LATEST"), version.encode())
+            written = version
+
     def _replace(self, path: str, data: bytes) -> None:
         """Write ``path`` whole: readers see the old content or the new, never a part."""
-        if "file" not in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)):
+        if not self._local():
             self.fs.pipe_file(path, data)  # an object store replaces the object in one request
             return
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
@@ -97,7 +201,9 @@ class CueStore:
         """Point ``LATEST`` at an existing version."""
         self.load(version)  # it exists and is a valid set
         try:
-            self._replace(self._path("LATEST"), check_version(version).encode())
+            self._move(check_version(version), ANY)
+        except StoreError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise StoreError(f"cannot write {self.uri}/LATEST: {type(e).__name__}: {e}") from e
 

@@ -97,6 +97,7 @@ class CueProvider:
             cues=list(cue_set.selected),
             loaded_at=datetime.now(timezone.utc),
             source=f"{self.store.uri}/versions/{cue_set.version}.json",
+            created_at=cue_set.created_at,
         )
         self.last_error = None
         log.info("loaded cue set %s: %s", cue_set.version, ", ".join(cue_set.selected))

@@ -89,7 +89,7 @@ class Generations:
         prompt_ids = await self._tokenize(req)
         max_tokens = self._max_tokens(req, prompt_ids)
         await self.cues.maybe_refresh()
-        self.metrics.cue_set_version(self.cues.active().version)
+        self.metrics.cue_set_active(self.cues.active().created_at)
         cues, cue_version = self._cues(req, name)
         sampling = self._sampling(req)
         # auto: relay or large, whichever has been faster at this load; its engines are relay's

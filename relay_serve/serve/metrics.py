@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import datetime
 from types import ModuleType
 from typing import Any
 
@@ -100,10 +101,12 @@ class RouterMetrics:
             description="Engine requests sent again after a replica failed.",
             tag_keys=("app", "model"),
         ))  # fmt: skip
+        # one series a router replica, whatever the number of versions published (a version label
+        # would add a series per published set, forever: Ray's metrics cannot remove one)
         self.cue_set = tagged(m.Gauge(
-            "relay_serve_cue_set_info",
-            description="1 for the cue set version this router replica hands off on, 0 for versions it held before.",
-            tag_keys=("app", "version"),
+            "relay_serve_cue_set_created_timestamp_seconds",
+            description="When the cue set this router replica hands off on was calibrated (Unix seconds; 0: the default set).",
+            tag_keys=("app",),
         ))  # fmt: skip
         self.leases = tagged(m.Gauge(
             "relay_serve_leases",
@@ -125,7 +128,6 @@ class RouterMetrics:
             description="Generations of the auto model by the policy it ran them as (relay or large).",
             tag_keys=("app", "policy"),
         ))  # fmt: skip
-        self._cue_version: str | None = None
         self._sampler: asyncio.Task | None = None
 
     # ---- per request ---------------------------------------------------------------------------
@@ -165,14 +167,9 @@ class RouterMetrics:
     def shadow_generation(self, outcome: str) -> None:
         self.shadow.inc(1, tags={"outcome": outcome})
 
-    def cue_set_version(self, version: str) -> None:
-        """The router hands off on ``version`` now (the info gauge moves to it)."""
-        if version == self._cue_version:
-            return
-        if self._cue_version is not None:
-            self.cue_set.set(0, tags={"version": self._cue_version})
-        self.cue_set.set(1, tags={"version": version})
-        self._cue_version = version
+    def cue_set_active(self, created_at: datetime | None) -> None:
+        """The router hands off on the set calibrated at ``created_at`` (None: the default set)."""
+        self.cue_set.set(created_at.timestamp() if created_at is not None else 0.0)
 
     # ---- gauges, sampled -----------------------------------------------------------------------
 

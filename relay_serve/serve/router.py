@@ -76,6 +76,7 @@ class RelayRouter:
 
         pair = ModelPair(large=self.cfg.large.model, small=self.cfg.small.model, fingerprint=fingerprint)
         actor = self.stats_actor = stats_actor(self.cfg, pair)
+        actor.configure.remote(self.cfg.model_dump(mode="json"))  # an actor found from an earlier deployment takes these settings
         actor.start.remote()
 
         async def score(token_ids: list[int], start: int) -> list[list[float]]:

@@ -93,7 +93,8 @@ class ShadowScorer:
     async def score_one(self, item: ShadowItem) -> dict[str, Any]:
         from calibration_jobs.margins import trace_margins
 
-        rows = await self._score(item.prompt_ids + item.token_ids, len(item.prompt_ids))
+        # a hung replica must not wedge the only scoring worker: give the sample up
+        rows = await asyncio.wait_for(self._score(item.prompt_ids + item.token_ids, len(item.prompt_ids)), self.online.score_timeout_s)
         m = await asyncio.to_thread(
             trace_margins, self.codec, item.token_ids, rows, self.candidates, think_close=self.think_close, counted=item.large_written
         )
@@ -109,7 +110,9 @@ class ShadowScorer:
 def stats_actor(cfg: AppConfig, pair: ModelPair):
     """The app's shared statistics actor for ``pair`` (as the model replicas reported it):
     created by the first router that asks, found by the others (and by a router that replaced
-    one); detached, so it outlives every router replica."""
+    one); detached, so it outlives every router replica (its statistics are in the store, so it
+    may go: ``relay-serve cues`` says so). Every router that finds it hands it the app's settings
+    (``configure``): a redeployed app's ``cues.online`` applies, not the first router's."""
     import ray
 
     from relay_serve.serve.cue_stats import CueStatsActor

@@ -174,3 +174,59 @@ def test_online_statistics_round_trip(tmp_path):
     store.put_online_stats(b'{"n": 1}')
     store.put_online_stats(b'{"n": 2}')
     assert store.online_stats() == b'{"n": 2}'
+
+
+def race(uri: str, opts: dict | None = None, trials: int = 50) -> None:
+    """The offline job and the online actor publish at once, ``trials`` times, each through a store
+    of its own (as two processes). The online actor publishes only over the set it read; the job
+    over whatever is there. Every time: the job's set is LATEST (the online one either moved first
+    and was superseded, or found out and wrote nothing), LATEST is whole, and the move log is
+    complete: each move starts from the one before it."""
+    import threading
+
+    from relay_serve.store import PublishConflict
+
+    offline, online = CueStore(uri, opts), CueStore(uri, opts)
+    offline.publish(make_set("start"))
+    published = {"start"}
+    for i in range(trials):
+        expect = online.head()[1]
+        gate, results = threading.Barrier(2), {}
+
+        def run(name, store, cue_set, **kw):
+            gate.wait()
+            try:
+                store.publish(cue_set, **kw)
+                results[name] = cue_set.version
+            except PublishConflict:
+                results[name] = None
+
+        threads = [
+            threading.Thread(target=run, args=("offline", offline, make_set(f"off-{i}"))),
+            threading.Thread(target=run, args=("online", online, make_set(f"on-{i}")), kwargs={"expect_latest": expect}),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results["offline"] == f"off-{i}", results
+        published |= {v for v in results.values() if v}
+        reader = CueStore(uri, opts)
+        assert reader.latest_version() == f"off-{i}" and reader.load_latest().version == f"off-{i}"
+    reader = CueStore(uri, opts)
+    assert set(reader.versions()) == published  # a set that lost wrote nothing
+    moves = reader.moves()
+    assert [m["version"] for m in moves][-1] == f"off-{trials - 1}" and {m["version"] for m in moves} == published
+    assert all(b["previous"] == a["version"] for a, b in zip(moves, moves[1:]))  # no move was lost
+    assert any(m["version"].startswith("on-") for m in moves)  # the online actor won some races too
+
+
+def test_the_offline_job_and_the_online_actor_publishing_at_once_lose_nothing(tmp_path):
+    race((tmp_path / "cues").as_uri())
+
+
+def test_the_same_race_on_s3(s3_endpoint):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1").create_bucket(Bucket="race")
+    race("s3://race/cues", {"key": "k", "secret": "s", "endpoint_url": s3_endpoint})

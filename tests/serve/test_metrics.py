@@ -83,7 +83,7 @@ def test_each_request_is_counted_once_and_the_figures_add_up_to_the_responses():
     # time to first token and inter-token latency: streamed requests only
     assert len(m.ttft.samples(model="relay")) == 2 and len(m.itl.samples(model="relay")) == 2
     assert all(t <= e for t, e in zip(m.ttft.samples(), sorted(m.e2e.samples())[-2:]) if t > 0)
-    assert m.cue_set.values[(("app", router.cfg.name), ("version", "default"))] == 1
+    assert m.cue_set.values[(("app", router.cfg.name),)] == 0  # the default set
     assert m.degraded.total() == 0 and m.retries.total() == 0
 
 
@@ -120,13 +120,15 @@ def test_failures_degradation_and_retries_are_counted():
     assert m.retries.total(model="large") == r["usage"]["relay"]["retries"] == 1
 
 
-def test_the_cue_set_gauge_follows_the_active_version():
+def test_the_cue_set_gauge_follows_the_active_set_in_one_series_whatever_the_versions():
+    from datetime import datetime, timezone
+
     _, m = router_with_metrics()
-    m.cue_set_version("v1")
-    m.cue_set_version("v1")
-    m.cue_set_version("v2")
-    values = {dict(k)["version"]: v for k, v in m.cue_set.values.items()}
-    assert values == {"v1": 0, "v2": 1}
+    for day in range(1, 30):  # a set published a day for a month
+        m.cue_set_active(datetime(2026, 11, day, tzinfo=timezone.utc))
+    assert list(m.cue_set.values.values()) == [datetime(2026, 11, 29, tzinfo=timezone.utc).timestamp()]
+    m.cue_set_active(None)  # back to the default set
+    assert list(m.cue_set.values.values()) == [0.0]
 
 
 def test_gauges_sample_leases_per_model_and_generations_in_flight():

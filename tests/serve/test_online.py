@@ -157,6 +157,7 @@ def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
     asyncio.run(feed(10))
     assert actor.publish_if_changed() is None and store.latest_version() == "v-hard"  # pinned: nothing moves
     store.unpin()
+    assert actor.publish_if_changed() is None  # a new selection: the first of confirm_rounds (2) in a row
     version = actor.publish_if_changed()
     assert version is not None and store.latest_version() == version
     published = store.load(version)
@@ -164,3 +165,121 @@ def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
     assert actor.publish_if_changed() is None  # the same selection is not published twice
     again = CueStatsActor(cfg.model_dump(mode="json"), pair)  # a new actor (the old one died) reads the statistics back
     assert again.stats.generations == 13 and again.stats.by_cue["Thus,"] == [0.99] * 13
+
+
+def online_actor(tmp_path, **online):
+    store_uri = (tmp_path / "cues").as_uri()
+    cfg = AppConfig.model_validate({"cues": {"store_uri": store_uri, "online": {
+        "enabled": True, "min_occurrences": 5, "candidates": ["First,", "Thus,", "Wait,"], **online}}})  # fmt: skip
+    actor = CueStatsActor(cfg.model_dump(mode="json"), model_pair(cfg).model_dump(mode="json"))
+    return cfg, actor, CueStore(store_uri)
+
+
+def test_the_window_and_the_baseline_cover_the_same_generations(tmp_path):
+    """Old traffic leaves the statistics whole: a cue's occurrences and the baseline alike."""
+    _, actor, _ = online_actor(tmp_path, window_generations=3)
+
+    async def go():
+        await actor.add({"Thus,": [0.1]}, 0.9 * 10, 10, False)  # an old era: high baseline, Thus, poor
+        for _ in range(3):
+            await actor.add({"Thus,": [0.5], "Wait,": [0.6]}, 0.2 * 10, 10, False)
+
+    asyncio.run(go())
+    s = actor.stats
+    assert s.generations == 4 and len(s.recent) == 3
+    assert s.by_cue == {"Thus,": [0.5] * 3, "Wait,": [0.6] * 3}
+    assert s.overall_mean == pytest.approx(0.2) and s.overall_count == 30
+
+
+def test_a_selection_must_win_consecutive_rounds_before_it_is_published(tmp_path):
+    """A set that wins one round and loses the next is never published (no flip-flopping)."""
+    cfg, actor, store = online_actor(tmp_path, confirm_rounds=2, window_generations=6)
+    store.publish(make_set("v-hard", fingerprint=actor.pair.fingerprint, selected=("First,",)))
+
+    async def feed(n: int, thus: float) -> None:
+        for _ in range(n):
+            await actor.add({"Thus,": [thus], "Wait,": [0.2], "First,": [0.3]}, 0.5 * 50, 50, False)
+
+    asyncio.run(feed(6, 0.99))
+    assert actor.publish_if_changed() is None  # Thus, wins once
+    asyncio.run(feed(6, 0.1))
+    assert actor.publish_if_changed() is None  # then nothing passes: the count starts again
+    asyncio.run(feed(6, 0.99))
+    assert actor.publish_if_changed() is None and store.latest_version() == "v-hard"
+    version = actor.publish_if_changed()  # the second round in a row
+    assert version is not None and store.load(version).selected == ["Thus,"]
+
+
+def test_every_add_is_persisted_even_when_it_comes_while_a_round_writes(tmp_path):
+    """The dirty flag and the copy are taken together on the actor's loop: an add() that lands
+    while the round writes its copy is written by the next round, not lost."""
+    _, actor, store = online_actor(tmp_path)
+    real = store.put_online_stats
+
+    async def go():
+        await actor.add({"Thus,": [0.9]}, 1.0, 1, False)
+        loop = asyncio.get_running_loop()
+
+        def slow_write(data: bytes) -> None:  # an add() lands on the loop while the thread writes
+            asyncio.run_coroutine_threadsafe(actor.add({"Wait,": [0.8]}, 1.0, 1, False), loop).result()
+            real(data)
+
+        actor.store.put_online_stats = slow_write
+        await actor.publish_round()
+        actor.store.put_online_stats = real
+        await actor.publish_round()
+
+    asyncio.run(go())
+    persisted = CueStatsActor(actor.cfg.model_dump(mode="json"), actor.pair.model_dump(mode="json")).stats
+    assert persisted.generations == 2 and set(persisted.by_cue) == {"Thus,", "Wait,"}
+
+
+def test_an_actor_found_by_a_redeployed_app_takes_its_settings(tmp_path):
+    cfg, actor, _ = online_actor(tmp_path, sample_rate=0.1, window_generations=10)
+
+    async def go():
+        for _ in range(8):
+            await actor.add({"Thus,": [0.9]}, 1.0, 1, False)
+        changed = cfg.model_copy(deep=True)
+        changed.cues.online.sample_rate, changed.cues.online.window_generations, changed.cues.online.min_occurrences = 0.5, 4, 7
+        await actor.configure(changed.model_dump(mode="json"))
+        return await actor.status()
+
+    status = asyncio.run(go())
+    assert status["settings"]["sample_rate"] == 0.5 and status["settings"]["min_occurrences"] == 7
+    assert status["window_generations"] == 4 and actor.online.selection_rule().min_occurrences == 7
+
+
+def test_scoring_a_generation_gives_up_after_its_timeout():
+    """A hung replica does not wedge the router's only scoring worker: the sample is lost, the
+    next one is scored."""
+    from relay_serve.serve.shadow import ShadowScorer
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.tokenizer import TOKENIZER_DIR
+
+    cfg = AppConfig.model_validate({"cues": {"online": {"enabled": True, "sample_rate": 1.0, "score_timeout_s": 0.2}}})
+    calls, sent = [], []
+
+    async def score(token_ids, start):
+        calls.append(start)
+        if len(calls) == 1:
+            await asyncio.sleep(3600)  # the replica never answers
+        return [[-0.1, -2.0]] * (len(token_ids) - start)
+
+    async def sink(margins):
+        sent.append(margins)
+
+    async def go():
+        codec = load_codec(str(TOKENIZER_DIR))
+        shadow = ShadowScorer(cfg, codec, score, sink)
+        ids = codec.encode("Thus, it is b3. So the answer is 4.")
+        for _ in range(2):
+            shadow.offer([1, 2], ids, ["large"] * len(ids), False)
+        for _ in range(100):
+            if shadow.scored + shadow.failed == 2:
+                break
+            await asyncio.sleep(0.05)
+        shadow.stop()
+        return shadow.scored, shadow.failed
+
+    assert asyncio.run(go()) == (1, 1) and len(sent) == 1

@@ -169,7 +169,7 @@ def test_prometheus_counts_exactly_what_the_responses_say(prometheus, metrics_ap
     assert scalar(prometheus, f"sum(relay_serve_inter_token_latency_seconds_count{{{sel}}})") == N_STREAMED
     for to in ("small", "large"):
         assert scalar(prometheus, f'sum(relay_serve_handoff_latency_seconds_count{{{sel},to="{to}"}})') > 0
-    assert scalar(prometheus, f'relay_serve_cue_set_info{{{sel},version="default"}}') == 1
+    assert scalar(prometheus, f"relay_serve_cue_set_created_timestamp_seconds{{{sel}}}") == 0  # the default set
     assert scalar(prometheus, f"sum(relay_serve_degraded_requests_total{{{sel}}})") is None  # none degraded
     # the gauges the router samples, and the engines' own figures of both deployments
     assert wait_for(prometheus, f'count(relay_serve_leases{{{sel}}})', 4) == 4  # large/small x held/idle
