@@ -15,14 +15,16 @@ generates ``--tokens`` tokens with a cue every few sentences; a figure is the me
 
 Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
-``relay_cues`` can make), against the scan of every token text that the index replaced.
+``relay_cues`` can make), against the scan of every token text that the index replaced, and of a
+list of 16 stops of 64 characters. A replica finds a list it has not seen in a worker thread, off
+its event loop (``PauseTokens.lookup``).
 
 The router tokenizes a request's prompt once; a long one (``OFF_LOOP_PROMPT_CHARS``) in a worker
 thread, off its event loop and so outside the router thread's CPU measured here: what it costs is
 reported apart (``prompt_tokenize_ms``, the prompt's ``encode`` timed alone).
 
 With ``--json`` the last line is ``{"vocab_size", "index_build_s", "pause_ids_ms",
-"pause_ids_scan_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
+"pause_ids_scan_ms", "pause_ids_64_chars_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
 "replica_cpu_ms_per_segment": {...}, "router_cpu_us_per_token": {...},
 "replica_cpu_us_per_token": {...}, "switches_per_request": {...}, "prompt_tokenize_ms": {...}}``.
 """
@@ -58,6 +60,7 @@ class HotpathReport(BaseModel):
     index_build_s: float
     pause_ids_ms: float
     pause_ids_scan_ms: float
+    pause_ids_64_chars_ms: float
     tokens_per_request: int
     router_cpu_ms_per_switch: dict[str, float]
     replica_cpu_ms_per_segment: dict[str, float]
@@ -214,8 +217,10 @@ def _sentence(rng: random.Random, words: list[str]) -> str:
 
 
 def make_trace(codec, context_tokens: int, tokens: int, seed: int = 0) -> tuple[str, list[int]]:
-    """A prompt of about ``context_tokens`` tokens, and the prompt's ids followed by a reasoning
-    trace of at least ``tokens`` tokens whose every third sentence opens with a cue."""
+    """A prompt of about ``context_tokens`` tokens (drawn by ``seed``), and the prompt's ids
+    followed by a reasoning trace of at least ``tokens`` tokens whose every third sentence opens
+    with a cue: the same trace after every prompt, so that contexts differ in their length only
+    (the pauses and switches a trace makes are its own)."""
     from relay_serve.toy.vocab import synthetic_vocab
 
     rng = random.Random(seed)
@@ -225,7 +230,7 @@ def make_trace(codec, context_tokens: int, tokens: int, seed: int = 0) -> tuple[
         prompt += "".join(_sentence(rng, words) for _ in range(50))
     ids = codec.encode(prompt)[: context_tokens - 40]
     prompt = codec.decode(ids) + "\n\n<think>\n"
-    trace, k = "", 0
+    trace, k, rng = "", 0, random.Random(tokens)
     while len(codec.encode(trace)) < tokens + 64:
         trace += (rng.choice(CUES) + " " if k % 3 == 2 else "") + _sentence(rng, words)
         k += 1
@@ -235,9 +240,10 @@ def make_trace(codec, context_tokens: int, tokens: int, seed: int = 0) -> tuple[
 # ---- the measurement -----------------------------------------------------------------------------
 
 
-def pause_ids_cost(texts: list[str]) -> tuple[float, float, float]:
-    """Index build time (s), the pause ids of a never-seen list of 16 stops by the index and by a
-    scan of every text (ms)."""
+def pause_ids_cost(texts: list[str]) -> tuple[float, float, float, float]:
+    """Index build time (s); the pause ids of a never-seen list of 16 stops by the index and by a
+    scan of every text (ms); those of a never-seen list of 16 stops of 64 characters (ms, the
+    median of 3 such lists)."""
     from relay_serve.engine.stops import PauseTokens, scan_pause_ids
 
     t0 = time.perf_counter()
@@ -255,7 +261,17 @@ def pause_ids_cost(texts: list[str]) -> tuple[float, float, float]:
     scan_ms = (time.perf_counter() - t0) * 1e3
     if scanned != found:
         raise AssertionError(f"the index found {len(found)} pause ids and the scan {len(scanned)}")
-    return build_s, index_ms, scan_ms
+    long_ms = []
+    for _ in range(3):  # sentences of vocabulary words cut at 64 characters; a quarter end in ", " (looked ahead)
+        words = [t.strip() for t in rng.sample(texts[1000:-100], 16 * 16)]
+        long = tuple(
+            (" ".join(words[16 * k : 16 * k + 16])[:62] + ", ") if k % 4 == 0 else " ".join(words[16 * k : 16 * k + 16])[:64]
+            for k in range(16)
+        )
+        t0 = time.perf_counter()
+        pauses.ids(long)
+        long_ms.append((time.perf_counter() - t0) * 1e3)
+    return build_s, index_ms, scan_ms, statistics.median(long_ms)
 
 
 def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
@@ -268,8 +284,11 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
     from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer
 
     texts = list(synthetic_vocab())
-    build_s, index_ms, scan_ms = pause_ids_cost(texts)
-    progress(f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} ms)")
+    build_s, index_ms, scan_ms, long_ms = pause_ids_cost(texts)
+    progress(
+        f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} ms); "
+        f"of 16 stops of 64 characters {long_ms:.2f} ms"
+    )
     work = Path(tempfile.mkdtemp(prefix="relay-hotpath-"))
     tok_dir = write_tokenizer(work / "tokenizer")
     codec = load_codec(str(tok_dir))
@@ -344,6 +363,7 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         index_build_s=round(build_s, 3),
         pause_ids_ms=round(index_ms, 3),
         pause_ids_scan_ms=round(scan_ms, 1),
+        pause_ids_64_chars_ms=round(long_ms, 3),
         tokens_per_request=tokens,
         router_cpu_ms_per_switch={k: round(v, 3) for k, v in per["switch"].items()},
         replica_cpu_ms_per_segment={k: round(v, 3) for k, v in per["segment"].items()},

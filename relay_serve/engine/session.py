@@ -88,7 +88,7 @@ class EngineSession:
         feed = self.seen[self.n_known :]
         stops = tuple(request.stop)
         longest = max(map(len, stops), default=1)
-        pause_ids = self.pauses.ids(stops, frozenset(request.word_stops)) if stops else frozenset()
+        pause_ids = await self.pauses.lookup(stops, frozenset(request.word_stops))  # a new list: off this loop
         left, generated = request.max_tokens, []
         last = EngineChunk(finished=True, finish_reason="length")
         cached = self.n_known

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest, SpecDecodeCounts
+from relay_serve.engine.stops import PauseIds
 from relay_serve.relay.types import EngineChunk, EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
 from relay_serve.relay.detok import TokenStream
 from relay_serve.tokenizer import token_stream, tokenizer_fingerprint
@@ -150,7 +151,12 @@ class VLLMResumable(ResumableRequest):
         if self._closed:
             raise RuntimeError("the resumable request is closed")
         params = _sampling_params(
-            sampling, max_tokens, stop_token_ids=sorted(pause_ids) or None, detokenize=False, output_kind=RequestOutputKind.DELTA
+            sampling,
+            max_tokens,
+            # a PauseIds is sorted once per stop list; anything else (a bench's ()) is sorted here
+            stop_token_ids=(pause_ids.ordered if isinstance(pause_ids, PauseIds) else sorted(pause_ids)) or None,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
         )
         self._inputs.put_nowait(StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids), sampling_params=params))
         if self._task is None:

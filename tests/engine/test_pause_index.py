@@ -85,3 +85,43 @@ def test_on_a_vocabulary_of_qwen3s_size_too():
     ]
     for stops, word_stops in cases:
         assert pauses.ids(stops, word_stops) == scan(texts, stops, word_stops), stops
+
+
+def test_a_stop_list_never_seen_is_found_off_the_event_loop_and_then_cached():
+    import asyncio
+    import threading
+
+    texts = ["a", "b", ",", "Thus", "Thus,", " so", "so"]
+    pauses = PauseTokens(texts)
+    threads = []
+    found_by = pauses._ids
+
+    def recording(stops, word_stops):
+        threads.append(threading.current_thread())
+        return found_by(stops, word_stops)
+
+    pauses._ids = recording
+
+    async def main():
+        first = await pauses.lookup(("Thus,",), frozenset({"Thus,"}))
+        again = await pauses.lookup(("Thus,",), frozenset({"Thus,"}))
+        return first, again
+
+    first, again = asyncio.run(main())
+    assert first is again and len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert first == scan(texts, ("Thus,",), frozenset({"Thus,"}))
+
+
+def test_pause_ids_are_a_sorted_set():
+    texts = ["x", ",", "a,", "b", "c,", ", "]
+    found = PauseTokens(texts).ids((", ",))
+    assert found.ordered == sorted(found) and found == frozenset(found.ordered) == scan(texts, (", ",))
+    assert 1 in found and 3 not in found and "1" not in found and len(found) == len(set(found))
+    assert PauseTokens(texts).ids(()) == frozenset()
+
+
+def test_the_cache_keeps_the_newest_lists():
+    pauses = PauseTokens(["a", "b", "ab"], cache_size=2)
+    for stops in (("a",), ("b",), ("ab",)):
+        pauses.ids(stops)
+    assert list(pauses._cache) == [(("b",), frozenset()), (("ab",), frozenset())]
