@@ -263,8 +263,8 @@ class RouterSettings(Strict):
     small_timeout_s: float = Field(
         30.0,
         gt=0.0,
-        description="relay: a small-model segment with no reply by then (its first token when streamed, all of it "
-        "otherwise) goes to the large model",
+        description="relay: a small-model segment whose first token does not come by then (streamed or not: it "
+        "bounds the first token only) goes to the large model",
     )
     small_retry_after_s: float = Field(
         10.0, ge=0.0, description="after such a timeout, the large model writes small-model segments for this long"

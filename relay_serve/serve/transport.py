@@ -3,9 +3,10 @@
 ``DirectTransport`` (the default, ``router.transport: direct``): a generation takes a *lease* on one
 replica of each model it uses, a streamed Ray Serve call (``ModelServer.lease``) that the replica
 answers with the address and token of its segment channel and then holds open until the router
-releases it (or ``ttl_s`` passes). Ray Serve therefore still chooses the replica (least loaded),
-admits the generation (``max_ongoing_requests`` counts leases), autoscales on it (ongoing requests
-= generations holding a lease) and reports a dead replica (the lease call fails). Every segment of
+releases it, its channel connection closes, or ``ttl_s`` passes. Ray Serve therefore still chooses
+the replica (least loaded), admits the generation (``max_ongoing_requests`` counts leases) and
+reports a dead replica (the lease call fails); autoscaling is on the engines' own load instead
+(``serve/autoscaling.py``), since a held lease is not work. Every segment of
 the generation then goes over the channel to the leased replica: session affinity by construction,
 and a handoff costs a TCP round trip instead of a Serve call. With ``resumable`` (and an engine that
 has them), the segments of a generation on one replica continue one resumable engine request
