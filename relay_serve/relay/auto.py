@@ -6,9 +6,17 @@ small model write most tokens) and the load: relay saves decode steps of the lar
 count most while the engines are latency-bound and least when they are compute-bound, and each of
 its handoffs costs a prefill and a wait for the next step. Rather than model all that, the chooser
 measures it: for each load level (generations in flight, in power-of-two buckets) it keeps a moving
-average of each path's seconds per output token, tries each path ``min_samples`` times, then takes the
-faster one, and still runs the other one generation in ``explore_every`` so that its figure follows
-the engines as they change.
+average of each path's seconds per output token, tries each path until it has ``min_samples``
+figures, then takes the faster one, and still runs the other one in one block in ``explore_every``
+so that its figure follows the engines as they change.
+
+A path's figure must be what that path costs when it is the policy, not what one generation of it
+costs among generations of the other: a relay generation among large ones gets the small model's
+fast tokens while its handoffs' prefills slow everyone else down, so judged alone it looks better
+than relay for all is. So a level runs *blocks*: ``block_turnovers`` x the level's size of
+generations in a row on one path (at level 32, 64 generations, enough for the engines to hold
+only that path), and a generation teaches its path's figure only when at least ``min_purity`` of
+the generations beside it over its life ran the same path (``LoadClock.share_since``).
 
 A generation is chosen by the load when it starts but teaches the level of the load it ran under
 (the mean of the generations in flight over its life, from a ``LoadClock``): the first generations of
@@ -37,7 +45,13 @@ class AutoSettings(BaseModel):
 
     min_samples: int = Field(4, ge=1, description="generations of each path a load level runs before it chooses by their speed")
     explore_every: int = Field(
-        20, ge=2, description="one generation in this many runs the other path, so that its figure stays current"
+        20, ge=2, description="one block in this many runs the other path, so that its figure stays current"
+    )
+    block_turnovers: float = Field(
+        2.0, ge=1.0, description="a block is this many times the load level's size of generations in a row on one path"
+    )
+    min_purity: float = Field(
+        0.75, ge=0.0, le=1.0, description="a generation teaches its path's figure when at least this share of the load over its life ran that path"
     )
     smoothing: float = Field(0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average")
 
@@ -49,37 +63,62 @@ def bucket(load: float) -> int:
     return 1 << max(0, round(math.log2(max(1.0, load))))
 
 
+@dataclass(frozen=True)
+class Mark:
+    """Where a generation entered a :class:`LoadClock`."""
+
+    t: float
+    area: float
+    path_area: float
+    path: str
+
+
 class LoadClock:
-    """The generations in flight, and their integral over time, so that a generation's mean load
-    over its life costs O(1): ``mark`` when it starts, ``mean_since`` when it ends."""
+    """The generations in flight, in all and by path, and their integrals over time, so that a
+    generation's mean load over its life and the share of it that ran its own path cost O(1):
+    ``enter`` when it starts, ``mean_since`` and ``share_since`` when it ends."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.n = 0
+        self._by_path: dict[str, int] = {}
         self._area = 0.0  # generation-seconds so far
+        self._path_area: dict[str, float] = {}
         self._t = clock()
 
     def _advance(self) -> float:
         now = self.clock()
-        self._area += self.n * (now - self._t)
+        dt = now - self._t
+        self._area += self.n * dt
+        for path, n in self._by_path.items():
+            self._path_area[path] = self._path_area.get(path, 0.0) + n * dt
         self._t = now
         return now
 
-    def enter(self) -> tuple[float, float]:
-        """One more in flight; the mark to give ``mean_since`` when it ends."""
+    def enter(self, path: str = "") -> Mark:
+        """One more in flight (on ``path``); the mark to give ``mean_since`` when it ends."""
         now = self._advance()
         self.n += 1
-        return now, self._area
+        self._by_path[path] = self._by_path.get(path, 0) + 1
+        return Mark(now, self._area, self._path_area.get(path, 0.0), path)
 
-    def leave(self) -> None:
+    def leave(self, path: str = "") -> None:
         self._advance()
         self.n -= 1
+        self._by_path[path] -= 1
 
-    def mean_since(self, mark: tuple[float, float]) -> float:
+    def mean_since(self, mark: Mark) -> float:
         """The mean number in flight since ``mark`` (the marked generation included, while in flight)."""
         now = self._advance()
-        t0, area0 = mark
-        return (self._area - area0) / (now - t0) if now > t0 else float(self.n)
+        return (self._area - mark.area) / (now - mark.t) if now > mark.t else float(self.n)
+
+    def share_since(self, mark: Mark) -> float:
+        """The share of the generation-seconds since ``mark`` that ran the marked path (1.0: only it)."""
+        self._advance()
+        area = self._area - mark.area
+        if area <= 0:
+            return self._by_path.get(mark.path, 0) / self.n if self.n else 1.0
+        return (self._path_area.get(mark.path, 0.0) - mark.path_area) / area
 
 
 @dataclass
@@ -92,7 +131,9 @@ class _Figure:
 class _Level:
     figures: dict[str, _Figure] = field(default_factory=lambda: {p: _Figure() for p in PATHS})
     started: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
-    decisions: int = 0
+    blocks: int = 0
+    path: Path = "relay"
+    left: int = 0  # generations still to start in the current block
 
 
 class AutoChooser:
@@ -104,20 +145,27 @@ class AutoChooser:
 
     def choose(self, load: int) -> Path:
         """The path of a generation that starts with ``load`` generations in flight (itself included)."""
-        level = self.levels.setdefault(bucket(load), _Level())
-        level.decisions += 1
-        short = [p for p in PATHS if level.figures[p].samples < self.settings.min_samples]
-        if short:  # learn first: the path started fewer times (a burst is split too), relay on ties
-            path = min(short, key=lambda p: level.started[p])
-        else:
-            best = min(PATHS, key=lambda p: level.figures[p].s_per_token or 0.0)
-            path = next(p for p in PATHS if p != best) if level.decisions % self.settings.explore_every == 0 else best
-        level.started[path] += 1
-        return path
+        size = bucket(load)
+        level = self.levels.setdefault(size, _Level())
+        if level.left <= 0:
+            level.path = self._next_block(level)
+            level.left = math.ceil(self.settings.block_turnovers * size)
+        level.left -= 1
+        level.started[level.path] += 1
+        return level.path
 
-    def record(self, path: Path, load: float, seconds: float, tokens: int) -> None:
-        """A generation of ``path`` that ran under ``load`` in flight (its mean) took ``seconds`` for ``tokens`` output tokens."""
-        if tokens <= 0 or seconds <= 0:
+    def _next_block(self, level: _Level) -> Path:
+        level.blocks += 1
+        short = [p for p in PATHS if level.figures[p].samples < self.settings.min_samples]
+        if short:  # learn first: the path started fewer times, relay on ties
+            return min(short, key=lambda p: level.started[p])
+        best = min(PATHS, key=lambda p: level.figures[p].s_per_token or 0.0)
+        return next(p for p in PATHS if p != best) if level.blocks % self.settings.explore_every == 0 else best
+
+    def record(self, path: Path, load: float, seconds: float, tokens: int, purity: float = 1.0) -> None:
+        """A generation of ``path`` that ran under ``load`` in flight (its mean), ``purity`` of
+        that load on its own path, took ``seconds`` for ``tokens`` output tokens."""
+        if tokens <= 0 or seconds <= 0 or purity < self.settings.min_purity:
             return
         figure = self.levels.setdefault(bucket(load), _Level()).figures[path]
         value = seconds / tokens

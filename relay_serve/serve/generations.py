@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
-from relay_serve.relay.auto import AutoChooser, LoadClock
+from relay_serve.relay.auto import AutoChooser, LoadClock, Mark
 from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, ModelRole, SamplingSettings
@@ -55,7 +55,7 @@ class Generation:
     arrived: float  # time.perf_counter() when the request arrived
     explored: bool = False  # online calibration: the reasoning is the large model's alone
     path: str = ""  # the policy it runs as: ``name``, or for auto the one it chose
-    mark: tuple[float, float] | None = None  # the load clock when it started running (auto learns its mean load)
+    mark: Mark | None = None  # the load clock when it started running (auto learns its mean load and purity)
 
     def age(self) -> float:
         return time.perf_counter() - self.arrived
@@ -268,11 +268,11 @@ class Generations:
     @contextlib.contextmanager
     def running(self, g: Generation) -> Iterator[None]:
         """While ``g`` runs: counted in flight; after it, its leases go back to the backend."""
-        g.mark = self.load.enter()
+        g.mark = self.load.enter(g.path)
         try:
             yield
         finally:
-            self.load.leave()
+            self.load.leave(g.path)
             self.backend.release(g.session.session_id)
 
     async def run(self, g: Generation) -> dict[str, Any]:
@@ -301,7 +301,8 @@ class Generations:
         self.metrics.generation(g.name, result, ttft_s=ttft_s, e2e_s=e2e)
         if g.name == "auto":
             load = self.load.mean_since(g.mark) if g.mark is not None else float(self.in_flight)
-            self.auto.record(g.path, load, result.usage.wall_s, len(result.token_ids))
+            purity = self.load.share_since(g.mark) if g.mark is not None else 1.0
+            self.auto.record(g.path, load, result.usage.wall_s, len(result.token_ids), purity)
             self.metrics.auto_choice(g.path)
         if self.shadow is not None and g.path == "relay" and g.request.relay_cues is None:
             self.shadow.offer(g.session.prompt_ids, result.token_ids, g.session.output.owners, g.explored)

@@ -1,5 +1,6 @@
-"""The auto model's chooser: it learns each path's speed per load level and takes the faster one,
-still running the other one generation in ``explore_every``, and follows a change of speed."""
+"""The auto model's chooser: it learns each path's speed per load level, in blocks of one path that
+are twice the level's size, from generations that ran among their own path, takes the faster one,
+still running the other one block in ``explore_every``, and follows a change of speed."""
 
 from __future__ import annotations
 
@@ -75,19 +76,21 @@ def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) 
 def test_it_tries_both_then_takes_the_faster_path_per_load_level():
     chooser = AutoChooser(AutoSettings(min_samples=4, explore_every=20))
     low = run(chooser, 1, 200, {"relay": 0.010, "large": 0.013})  # relay faster when the engines are idle
-    high = run(chooser, 32, 200, {"relay": 0.006, "large": 0.005})  # large faster under load
-    # 4 of each to learn, then one in 20 explores the slower path
-    assert low["large"] == pytest.approx(4 + 196 / 20, abs=2) and low["relay"] > 180
-    assert high["relay"] == pytest.approx(4 + 196 / 20, abs=2) and high["large"] > 180
+    # blocks of 2: relay, large, relay, large (4 of each learnt), then relay but blocks 20, 40, ... 100
+    assert low == {"relay": 200 - 14, "large": 4 + 5 * 2}
+    high = run(chooser, 32, 64 * 40, {"relay": 0.006, "large": 0.005})  # large faster under load
+    # blocks of 64: relay, large, then large but blocks 20 and 40 explore relay
+    assert high == {"relay": 3 * 64, "large": 37 * 64}
     state = chooser.state()
     assert state["1"]["relay"]["ms_per_token"] == pytest.approx(10.0) and state["32"]["large"]["ms_per_token"] == pytest.approx(5.0)
 
 
 def test_it_follows_a_path_that_became_slower():
     chooser = AutoChooser(AutoSettings(min_samples=2, explore_every=5, smoothing=0.5))
-    run(chooser, 8, 50, {"relay": 0.010, "large": 0.020})
-    later = run(chooser, 8, 100, {"relay": 0.030, "large": 0.020})  # relay's engines got slower
-    assert later["large"] > 75
+    before = run(chooser, 8, 50, {"relay": 0.010, "large": 0.020})
+    later = run(chooser, 8, 200, {"relay": 0.030, "large": 0.020})  # relay's engines got slower
+    # blocks of 16, one in 5 explores: the rest of a relay block, then mostly large
+    assert before["relay"] > before["large"] and later["large"] > 0.65 * 200
 
 
 def test_failed_or_empty_generations_teach_nothing():
@@ -95,10 +98,57 @@ def test_failed_or_empty_generations_teach_nothing():
     chooser.record("relay", 1, 0.0, 0)
     chooser.record("large", 1, 1.0, 0)
     assert chooser.state() == {}
-    assert [chooser.choose(1) for _ in range(2)] == ["relay", "large"]  # still learning: both, relay first
+    assert [chooser.choose(1) for _ in range(4)] == ["relay", "relay", "large", "large"]  # still learning: both in blocks of 2, relay first
 
 
-def test_a_burst_at_a_new_load_level_tries_both_paths():
+def test_a_level_runs_blocks_of_one_path_twice_its_size():
     chooser = AutoChooser(AutoSettings(min_samples=4))
-    burst = [chooser.choose(8) for _ in range(8)]  # all start before any finished
-    assert burst.count("relay") == burst.count("large") == 4
+    burst = [chooser.choose(8) for _ in range(32)]  # all start before any finished
+    assert burst == ["relay"] * 16 + ["large"] * 16
+
+
+def test_generations_that_ran_among_the_other_path_teach_nothing():
+    chooser = AutoChooser(AutoSettings(min_purity=0.75))
+    chooser.record("relay", 8, 1.0, 100, purity=0.5)
+    assert chooser.state() == {}
+    chooser.record("relay", 8, 1.0, 100, purity=0.8)
+    assert chooser.state()["8"]["relay"]["samples"] == 1
+
+
+def test_the_load_clock_gives_the_share_of_a_generations_life_on_its_own_path():
+    now = FakeTime()
+    clock = LoadClock(now)
+    r = clock.enter("relay")  # t=0..2: r alone; t=2..4: r and a large one
+    now.t = 2.0
+    clock.enter("large")
+    now.t = 4.0
+    assert clock.share_since(r) == pytest.approx((2 * 1 + 2 * 1) / (2 * 1 + 2 * 2))
+    assert clock.mean_since(r) == pytest.approx(1.5)
+    clock.leave("large")
+    clock.leave("relay")
+    assert clock.n == 0
+
+
+def test_relay_that_is_faster_alone_but_slower_for_all_is_not_chosen():
+    """A relay generation among large ones is faster than they are (the small model's tokens), but
+    its handoffs slow every generation down: with every generation relayed, each is slower than
+    with none. 32 in flight, a generation's cost set by the share of relay among them; chosen
+    one generation at a time, judged by what each costs beside the others, relay would win."""
+    chooser = AutoChooser(AutoSettings(min_samples=4, explore_every=20))
+
+    def cost(path: str, relay_share: float) -> float:  # seconds per token
+        return (0.004 if path == "relay" else 0.005) + 0.003 * relay_share
+
+    in_flight: list[str] = [chooser.choose(32) for _ in range(32)]
+    chosen = Counter()
+    for step in range(4000):
+        done = in_flight.pop(0)
+        share = in_flight.count("relay") / len(in_flight)
+        purity = share if done == "relay" else 1 - share
+        chooser.record(done, 32, cost(done, share) * 100, 100, purity=purity)
+        path = chooser.choose(32)
+        in_flight.append(path)
+        if step >= 1000:
+            chosen[path] += 1
+    assert cost("relay", 1.0) > cost("large", 0.0) and cost("relay", 0.0) < cost("large", 0.0)
+    assert chosen["large"] > 0.9 * sum(chosen.values())
