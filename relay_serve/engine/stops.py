@@ -111,15 +111,12 @@ class PauseTokens:
 
     def ids(self, stops: tuple[str, ...], word_stops: frozenset[str] = frozenset()) -> PauseIds:
         """Token ids after which a request with these stop strings must pause (cached)."""
-        key = (stops, word_stops)
-        with self._lock:
-            found = self._cache.get(key)
-            if found is not None:
-                self._cache.move_to_end(key)
-                return found
+        found = self._cached((stops, word_stops))
+        if found is not None:
+            return found
         found = self._ids(stops, word_stops)
         with self._lock:
-            self._cache[key] = found
+            self._cache[(stops, word_stops)] = found
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return found
@@ -127,11 +124,16 @@ class PauseTokens:
     async def lookup(self, stops: tuple[str, ...], word_stops: frozenset[str] = frozenset()) -> PauseIds:
         """:meth:`ids` for code on an event loop: a cached list at once, a new one from a worker
         thread."""
+        found = self._cached((stops, word_stops))
+        return found if found is not None else await asyncio.to_thread(self.ids, stops, word_stops)
+
+    def _cached(self, key: tuple[tuple[str, ...], frozenset[str]]) -> PauseIds | None:
+        """A list found before, now the most recently used."""
         with self._lock:
-            found = self._cache.get((stops, word_stops))
-        if found is not None:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
             return found
-        return await asyncio.to_thread(self.ids, stops, word_stops)
 
     def _ids(self, stops: tuple[str, ...], word_stops: frozenset[str]) -> PauseIds:
         if not stops:
