@@ -248,6 +248,13 @@ class ModelServer:
         a model does."""
         return {ENGINE_LOAD: float(self.requests_in_flight)}
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's request-router hook, polled by the controller: what this replica holds. The
+        default router does not read it (a custom one may balance on it); an operator or a test can
+        ask one replica for it through its actor (``ray.get(actor.record_routing_stats.remote())``),
+        which a call through the deployment's handle cannot (the handle picks the replica)."""
+        return {"leases_held": self.leases_held, "sessions": len(self.sessions), ENGINE_LOAD: float(self.requests_in_flight)}
+
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine marks the replica unhealthy and replaces it."""
         await self.engine.check_health()

@@ -217,6 +217,65 @@ def test_router_forgets_every_session_after_the_faults(faults_url):
     assert stats["in_flight"] == 0 and stats["affinity_sessions"] == 0, stats
 
 
+def model_replica_holdings() -> dict[str, tuple[int, int] | None]:
+    """Per model replica Ray names: the leases and engine sessions it holds (None: it did not
+    answer), asked of each replica's actor directly through Serve's routing-stats hook. A call
+    through the deployment's handle cannot ask a given replica: the handle picks one."""
+    import ray
+
+    names = [name for deployment in ("large", "small") for name in replicas(deployment)]
+    calls = [ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names]
+    seen: dict[str, tuple[int, int] | None] = {}
+    for name, call in zip(names, calls):
+        try:
+            stats = ray.get(call, timeout=10)
+            seen[name] = (stats["leases_held"], stats["sessions"])
+        except Exception:  # a replica starting or stopping
+            seen[name] = None
+    return seen
+
+
+def test_killing_a_router_replica_frees_its_leases_and_sessions_on_the_model_replicas(faults_url):
+    """The router dies under 16 relay streams: Serve does not cancel its lease calls, but its
+    connections close, and within 10 s every model replica holds no lease and no session of it.
+    The router Serve starts in its place serves every request."""
+    import ray
+
+    async def load_then_kill():
+        started = asyncio.Event()
+        pool = prompts(N_REQUESTS, seed=400)
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(stream_one(client, faults_url, p, 400 + k, started)) for k, p in enumerate(pool)]
+            await started.wait()
+            await asyncio.sleep(1.0)
+            router_stats = (await client.get(faults_url + "/v1/relay/stats")).json()
+            held = await asyncio.to_thread(model_replica_holdings)
+            (router,) = await asyncio.to_thread(replicas, "router")
+            await asyncio.to_thread(lambda: ray.kill(ray.get_actor(router, namespace="serve"), no_restart=True))
+            t0, polls = time.monotonic(), []
+            while True:
+                now = await asyncio.to_thread(model_replica_holdings)
+                polls.append((round(time.monotonic() - t0, 2), now))
+                freed = len(now) == 4 and all(v == (0, 0) for v in now.values())
+                if freed or time.monotonic() - t0 > 10:
+                    break
+                await asyncio.sleep(0.5)
+            freed_s = time.monotonic() - t0
+            await asyncio.gather(*tasks, return_exceptions=True)  # their router died under them
+        return router_stats, held, polls, freed, freed_s
+
+    router_stats, held, polls, freed, freed_s = asyncio.run(load_then_kill())
+    assert router_stats["in_flight"] > 0 and router_stats["leases"] >= router_stats["in_flight"], router_stats  # one or two a generation
+    assert len(held) == 4 and None not in held.values(), held  # 2 large, 2 small, each answered
+    assert sum(leases for leases, _ in held.values()) > 0, held  # ...holding the router's leases
+    assert freed and freed_s <= 10, polls
+    wait_for_replicas("router", 1)
+    with httpx.Client(timeout=120) as client:
+        for i, prompt in enumerate(prompts(4, seed=500)):
+            r = client.post(faults_url + "/v1/chat/completions", json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i})
+            assert r.status_code == 200, r.text
+
+
 def test_with_the_small_deployment_scaled_to_zero_relay_degrades_to_the_large_model(faults_url):
     deploy(fault_config(small_at_zero=True))
     deadline = time.time() + 120

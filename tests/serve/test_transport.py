@@ -235,17 +235,18 @@ def test_the_replica_counts_its_leases_and_reports_its_channel():
     async def go():
         b, (large, _), _ = setup()
         await run(b, req())
-        info = await large.info()
+        info, routing = await large.info(), await large.record_routing_stats()
         b.release("gen-1")
         b.transport.idle["large"][0].release()
         await asyncio.sleep(0.01)
-        return info, large.leases_held
+        return info, routing, large.leases_held
 
     from relay_serve.serve.placement import node_ip
 
-    info, held_after = asyncio.run(go())
+    info, routing, held_after = asyncio.run(go())
     host, _, port = info["channel"].rpartition(":")
     assert info["leases_held"] == 1 and held_after == 0
+    assert routing["leases_held"] == 1 and routing["sessions"] == info["sessions"]  # the same figures, asked of this replica
     assert host == node_ip() and int(port) > 0  # the node's address inside Ray (other tests start one), else loopback
 
 
