@@ -11,7 +11,8 @@ adds: the CPU time of the router's thread and of the replicas' thread (each on a
 own, as in production they are different processes), per switch between the models and per
 generated token, at contexts (prompt and what came before) of 1k, 8k and 32k tokens. Each request
 generates ``--tokens`` tokens with a cue every few sentences; a figure is the median of
-``--repeats`` requests after one warm-up.
+``--repeats`` requests after one warm-up, the contexts taking turns request by request (a slow
+spell of a shared machine hits them alike, so their ratios hold).
 
 Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
@@ -311,18 +312,14 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
     backend = ServeBackend(_Handle(servers["large"], replicas), _Handle(servers["small"], replicas))
     router = RelayRouter(cfg, backend=backend)
 
-    async def run(client, prompt: str) -> list[tuple[float, float, dict]]:
+    async def one(client, prompt: str) -> tuple[float, float, dict]:
         body = {"model": "relay", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
-        out = []
-        for i in range(repeats + 1):
-            r0, p0 = time.thread_time(), replicas.cpu_s()
-            resp = await client.post("/v1/completions", json=body)
-            r1, p1 = time.thread_time(), replicas.cpu_s()
-            if resp.status_code != 200:
-                raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
-            if i > 0:  # the first warms caches (the pause ids of the request's stops among them)
-                out.append((r1 - r0, p1 - p0, resp.json()["usage"]))
-        return out
+        r0, p0 = time.thread_time(), replicas.cpu_s()
+        resp = await client.post("/v1/completions", json=body)
+        r1, p1 = time.thread_time(), replicas.cpu_s()
+        if resp.status_code != 200:
+            raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
+        return r1 - r0, p1 - p0, resp.json()["usage"]
 
     per: dict[str, dict[str, float]] = {k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize")}
     for label, prompt in prompts.items():
@@ -337,8 +334,13 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         transport = httpx.ASGITransport(app=router.api)
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://hotpath", timeout=600) as client:
-                for label in contexts:
-                    runs = await run(client, prompts[label])
+                measured: dict[str, list[tuple[float, float, dict]]] = {label: [] for label in contexts}
+                for i in range(repeats + 1):  # the contexts take turns, so a slow spell of the machine hits them alike
+                    for label in contexts:
+                        run = await one(client, prompts[label])
+                        if i > 0:  # the first round warms caches (the pause ids of the request's stops among them)
+                            measured[label].append(run)
+                for label, runs in measured.items():
                     per["switches"][label] = statistics.median(u["relay"]["switches"] for _, _, u in runs)
                     per["switch"][label] = statistics.median(r / max(1, u["relay"]["switches"]) for r, _, u in runs) * 1e3
                     per["segment"][label] = statistics.median(p / max(1, u["relay"]["segments"]) for _, p, u in runs) * 1e3

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.relay.types import ContextGap, EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming
+from relay_serve.relay.types import ContextGap, EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming, pack_token_ids
 from relay_serve.serve.calls import own_request
 from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
 
@@ -341,7 +341,8 @@ class DirectTransport:
 def wire_body(request: SegmentRequest, resume: bool, base: int) -> dict[str, Any]:
     """A segment request as it crosses the channel: with ``base`` > 0 the context's first ``base``
     tokens are left out (the replica's engine session holds them), so the work per segment is in
-    the new tokens, not the context."""
+    the new tokens, not the context; the tokens sent go packed (``pack_token_ids``), so a 32k-token
+    prompt costs the replica one list of ints, not a msgpack list and its validation."""
     body = request.model_dump(exclude={"prompt_token_ids", "unchanged"})
-    body.update(prompt_token_ids=request.prompt_token_ids[base:], context_base=base, resume=resume)
+    body.update(prompt_token_ids=pack_token_ids(request.prompt_token_ids[base:]), context_base=base, resume=resume)
     return body

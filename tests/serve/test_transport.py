@@ -6,6 +6,7 @@ failure, lost with their replica; the small deployment's timeout."""
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import pytest
 
@@ -373,7 +374,9 @@ def test_segments_on_a_held_session_carry_only_what_is_new_and_a_lost_session_ge
             segment = server.segment
 
             def recording(request, stream, peer=None, segment=segment, server=server):
-                wire.append((server.role, request["context_base"], len(request["prompt_token_ids"])))
+                sent = request["prompt_token_ids"]  # packed: 4 little-endian bytes a token id
+                assert isinstance(sent, bytes) and len(sent) % 4 == 0
+                wire.append((server.role, request["context_base"], len(struct.unpack(f"<{len(sent) // 4}I", sent))))
                 if lose_after is not None and len(wire) == lose_after:
                     server.sessions.clear()  # the replica forgot the generation's sessions
                 return segment(request, stream, peer)
