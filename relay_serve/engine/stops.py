@@ -139,6 +139,7 @@ class PauseTokens:
         if not stops:
             return NO_PAUSES
         parts: list[np.ndarray] = []
+        pieces: set[str] = set()
         n = self._longest
         for s in stops:
             if len(s) <= n:
@@ -149,17 +150,18 @@ class PauseTokens:
                 for j in range(1, min(len(s), n + 1)):
                     prefix = s[:j]
                     # tokens that end a proper prefix (where it starts a word, for a word stop's)
-                    ends = self._reversed.starting_with(prefix[::-1])
+                    ending = self._reversed.starting_with(prefix[::-1])
                     if not at_word_start:
-                        parts.append(ends)
+                        parts.append(ending)
                     elif j <= lead:  # the prefix is all word characters: no word character before it
-                        parts.append(ends[self._tail_word[ends] == j])
+                        parts.append(ending[self._tail_word[ending] == j])
                     else:
-                        parts.append(np.array([i for i in ends.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32))
-                parts.extend(self._pieces(s))  # tokens that are exactly a piece of a prefix spread over several
+                        parts.append(np.array([i for i in ending.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32))
+                self._pieces(s, pieces)  # tokens that are exactly a piece of a prefix spread over several
             else:
                 for j in range(max(1, len(s) - n), len(s)):  # tokens that start with the rest of a proper prefix
                     parts.append(self._prefixes.starting_with(s[j:]))
+        parts.extend(self._exact[piece] for piece in pieces if piece in self._exact)
         if any(not s.isascii() for s in stops):
             parts.append(self._partial)
         if not parts:
@@ -168,20 +170,26 @@ class PauseTokens:
         marked[np.concatenate(parts)] = True
         return PauseIds(np.flatnonzero(marked).tolist())
 
-    def _pieces(self, stop: str) -> Iterator[np.ndarray]:
-        """The ids of tokens that are exactly ``stop[i:j]`` for some 1 <= i < j < len(stop). From
-        each start the piece grows while some token starts with it (one bisection a step, from
-        where the last one ended), so a walk ends after a word's length, not the stop's."""
-        keys = self._prefixes.keys
+    def _pieces(self, stop: str, found: set[str]) -> None:
+        """Add to ``found`` every ``stop[i:j]`` (1 <= i < j < len(stop)) that some token starts
+        with (those that are a token are among them). From each start the piece grows while some
+        token starts with it: a hash lookup while it is short, then one bisection a step from
+        where the last one ended; so a walk ends after a word's length, not the stop's."""
+        short = self._prefixes.short
         for i in range(1, len(stop) - 1):
-            lo = 0
-            for j in range(i + 1, len(stop)):
+            for j in range(i + 1, min(len(stop), i + SHORT + 1)):
                 piece = stop[i:j]
-                lo = bisect_left(keys, piece, lo)
-                if lo == len(keys) or not keys[lo].startswith(piece):
+                if piece not in short:
                     break  # no token starts with it: none is it or a longer piece from here
-                if keys[lo] == piece:
-                    yield self._exact[piece]
+                found.add(piece)
+            else:
+                lo: int | None = 0
+                for j in range(i + SHORT + 1, len(stop)):
+                    piece = stop[i:j]
+                    lo = self._prefixes.any_starts_with(piece, lo)
+                    if lo is None:
+                        break
+                    found.add(piece)
 
 
 def _word_tail(text: str) -> int:
@@ -192,19 +200,41 @@ def _word_tail(text: str) -> int:
     return n
 
 
+SHORT = 5  # the prefixes up to this long of every key are in a set: most lookups end there
+
+
 class _Sorted:
     """The ids of tokens sorted by a string of each, for the ids whose string starts with a given
-    one (a list of the strings in order, searched by C bisection)."""
+    one (a list of the strings in order, searched by C bisection). Every key's prefixes of up to
+    ``SHORT`` characters are in a set (about 100,000 for 151,936 keys), so most strings no key
+    starts with are turned away by a hash lookup, not a bisection."""
 
     def __init__(self, keys: Sequence[str], ids: Sequence[int]) -> None:
         order = sorted(ids, key=keys.__getitem__)
         self.keys = [keys[i] for i in order]
         self.ids = np.asarray(order, dtype=np.int32)
+        self.short = frozenset(k[:j] for k in self.keys for j in range(1, min(len(k), SHORT) + 1))
+
+    def any_starts_with(self, prefix: str, lo: int = 0) -> int | None:
+        """Where the keys that start with ``prefix`` begin (from ``lo``, which must not be past
+        them), None when no key does."""
+        if prefix[:SHORT] not in self.short:
+            return None
+        lo = bisect_left(self.keys, prefix, lo)
+        return lo if lo < len(self.keys) and self.keys[lo].startswith(prefix) else None
+
+    def range_of(self, prefix: str) -> tuple[int, int]:
+        """The positions ``lo:hi`` of the keys that start with ``prefix`` (empty: none does)."""
+        if prefix[:SHORT] not in self.short:
+            return 0, 0
+        lo = bisect_left(self.keys, prefix)
+        if lo == len(self.keys) or not self.keys[lo].startswith(prefix):
+            return 0, 0
+        after = _after_all_starting_with(prefix)
+        return lo, bisect_left(self.keys, after, lo) if after is not None else len(self.keys)
 
     def starting_with(self, prefix: str) -> np.ndarray:
-        lo = bisect_left(self.keys, prefix)
-        after = _after_all_starting_with(prefix)
-        hi = bisect_left(self.keys, after, lo) if after is not None else len(self.keys)
+        lo, hi = self.range_of(prefix)
         return self.ids[lo:hi]
 
 

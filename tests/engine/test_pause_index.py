@@ -58,6 +58,27 @@ def test_the_index_finds_what_a_scan_finds(texts, stops, word):
     assert scan_pause_ids(texts, tuple(stops), word_stops) == expected  # the reference the bench measures against
 
 
+long_text = st.text(alphabet="ab ,", min_size=6, max_size=11)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=st.lists(st.text(alphabet="ab ,", min_size=1, max_size=11), min_size=1, max_size=80),
+    inner=st.lists(long_text, min_size=1, max_size=3),
+    around=st.lists(st.tuples(st.text(alphabet="ab ,", min_size=1, max_size=3), st.text(alphabet="ab ,", max_size=3)), min_size=3, max_size=3),
+    word=st.lists(st.booleans(), min_size=3, max_size=3),
+)
+def test_the_index_finds_what_a_scan_finds_with_long_tokens_and_stops(texts, inner, around, word):
+    """Texts and stops longer than the index's short prefixes (``SHORT``): the lookups past them
+    bisect the sorted texts. Each stop holds a long token of the vocabulary strictly inside it
+    (a piece of a start spread over several tokens) and ends in a space or is a word stop, so
+    that the rule which finds such pieces is exercised past ``SHORT`` characters."""
+    texts = texts + inner
+    stops = tuple(head + t + tail + ("" if w else " ") for t, (head, tail), w in zip(inner, around, word))
+    word_stops = frozenset(s for s, w in zip(stops, word) if w)
+    assert PauseTokens(texts).ids(stops, word_stops) == scan(texts, stops, word_stops)
+
+
 def test_a_vocabulary_of_qwen3s_size_is_shaped_like_a_byte_level_bpe():
     texts = synthetic_vocab()
     assert len(texts) == QWEN3_VOCAB_SIZE and texts[-len(SPECIAL_TOKENS) :] == SPECIAL_TOKENS
