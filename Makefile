@@ -8,13 +8,17 @@ EXTRAS ?= cpu,test
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION ?= 2.13.0+cpu
 
-.PHONY: serve test install prometheus clean
+.PHONY: serve test test-fast install prometheus clean
 
 serve: $(STAMP)
 	$(BIN)/relay-serve serve
 
 test: $(STAMP) prometheus
 	$(BIN)/python -m pytest
+
+# Everything that starts neither Ray nor vLLM (tests/conftest.py fails an unmarked test that does).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not vllm and not serve and not ray"
 
 # The metrics test runs a real Prometheus: Debian's package, installed where missing (as root, or
 # with sudo). Installing it does not start it here (no systemd in a container; the test starts its own).

@@ -4,9 +4,11 @@ per session (engine start-up dominates their cost)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
+from relay_serve.engine import vllm_engine
 from relay_serve.serve.local import free_port
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -37,3 +39,48 @@ def relay_app(ray_cluster):
 
     url = start(AppConfig(), host="127.0.0.1", port=free_port())
     yield url
+
+
+# ---- the fast target: tests without the slow markers start neither Ray nor vLLM -------------------
+
+SLOW_MARKERS = ("vllm", "serve", "ray")  # `make test-fast` runs -m "not vllm and not serve and not ray"
+_engines_started = 0
+_vllm_engine_init = vllm_engine.VLLMEngine.__init__
+
+
+def _counting_init(self, *args, **kwargs):
+    global _engines_started
+    _engines_started += 1
+    _vllm_engine_init(self, *args, **kwargs)
+
+
+vllm_engine.VLLMEngine.__init__ = _counting_init
+
+
+def _ray_up() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.fixture(autouse=True)
+def _slow_work_is_marked(request):
+    """Fails a test without a slow marker that starts Ray, starts a vLLM engine or imports vLLM:
+    it would slow the fast target down (or fail there, where nothing started Ray before it)."""
+    if any(request.node.get_closest_marker(m) for m in SLOW_MARKERS):
+        yield
+        return
+    if {"ray_cluster", "relay_app"} & set(request.fixturenames):
+        pytest.fail(f"{request.node.nodeid} uses the Ray app fixtures without a {' or '.join(SLOW_MARKERS)} marker")
+    ray_before, engines_before, vllm_before = _ray_up(), _engines_started, "vllm" in sys.modules
+    yield
+    started = [
+        what
+        for what, now in (
+            ("started Ray", not ray_before and _ray_up()),
+            ("started a vLLM engine", _engines_started > engines_before),
+            ("imported vLLM", not vllm_before and "vllm" in sys.modules),
+        )
+        if now
+    ]
+    if started:
+        pytest.fail(f"{request.node.nodeid} {', '.join(started)} without a {' or '.join(SLOW_MARKERS)} marker (make test-fast skips only those)")

@@ -50,6 +50,7 @@ def read_errors(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.ray
 def test_malformed_lines_are_reported_with_their_line_numbers(ray_cluster, tmp_path):
     src = tmp_path / "in.jsonl"
     write_jsonl(
@@ -93,6 +94,7 @@ def test_malformed_lines_are_reported_with_their_line_numbers(ray_cluster, tmp_p
     assert json.loads((tmp_path / "out" / "_summary.json").read_text())["written"] == 3
 
 
+@pytest.mark.ray
 def test_stopped_run_resumes_without_duplicates(ray_cluster, tmp_path):
     n = 40
     src = tmp_path / "in.parquet"
@@ -137,6 +139,7 @@ def test_stopped_run_resumes_without_duplicates(ray_cluster, tmp_path):
     assert Output(str(out), "parquet").done_ids() == set(ids)
 
 
+@pytest.mark.ray
 def test_server_errors_are_retried_and_client_errors_reported(ray_cluster, tmp_path):
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) for i in range(3)])
@@ -192,6 +195,7 @@ def test_batch_through_the_router_handle(relay_app, tmp_path):
     assert again.skipped_done == 6 and again.written == 0
 
 
+@pytest.mark.ray
 def test_rows_with_a_gold_answer_are_graded(ray_cluster, tmp_path):
     """A labelled batch reports pass@1: right, wrong and failed rows (a failed row counts as
     wrong), rows without an answer left out of it."""

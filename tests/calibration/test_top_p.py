@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from calibration_jobs.calibrate import CalibrationConfig, _EngineWorker
 from relay_serve.engine.vllm_engine import OfflineEngine
 
 
+@pytest.mark.vllm  # builds vLLM's SamplingParams (imports vLLM), no engine
 def test_top_p_reaches_the_engines_sampling_parameters():
     seen = {}
 

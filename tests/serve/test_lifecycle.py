@@ -4,6 +4,7 @@ the ones after it, and Ctrl-C (SIGTERM) stops it promptly, with no warning or tr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -43,6 +44,7 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
         metrics_line = proc.stdout.readline()
         assert metrics_line.startswith("metrics (Prometheus) at http://") and metrics_line.rstrip().endswith(f":{metrics_port}/metrics"), metrics_line
         assert exported_requests(metrics_line.split(" at ")[1].strip(), expect=5) == 5
+        before_stop = len(log.read_text())
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -56,6 +58,9 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
     assert stop_s < 12, f"stopping took {stop_s:.1f} s"  # 6.6-8.6 s here (33 s before)
     for bad in ("Traceback", "Logging error", "failed to shut down", "did not drain"):
         assert bad not in err, err[err.index(bad) - 2000 : err.index(bad) + 500]
+    stopping = err[before_stop:].splitlines()  # what it logged from Ctrl-C on: no warning, no error
+    loud = [line for line in stopping if re.search(r"\b(WARNING|ERROR|CRITICAL|Warning:|Error:)", line)]
+    assert not loud, "\n".join(loud[:20])
 
 
 def exported_requests(url: str, expect: float, timeout_s: float = 60.0) -> float:
