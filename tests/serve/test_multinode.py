@@ -70,5 +70,9 @@ def test_losing_the_small_models_node_under_load_fails_no_request(run):
         u = r["usage"]
         assert u["relay"]["large_tokens"] + u["relay"]["small_tokens"] == u["completion_tokens"]
     assert all(r["usage"]["relay"]["degraded"] and r["usage"]["relay"]["small_tokens"] == 0 for r in after)
+    # the node's loss costs a request in flight at most the small model's deadline (3 s, with 1 s of
+    # slack for the machine) over the slowest request it did not reach
+    unhit = [r["end"] - r["start"] for r in during + after if r not in in_flight]
+    assert max(r["end"] - r["start"] for r in in_flight) <= max(unhit) + 3.0 + 1.0, (in_flight, max(unhit))
     print(f"{len(during)} requests under load, {len(in_flight)} in flight when the small node went "
           f"(they took {max(r['end'] - r['start'] for r in in_flight):.1f} s at most), {len(after)} after it")  # fmt: skip

@@ -60,10 +60,13 @@ def scaling_url(relay_app):
 
 
 def running_replicas() -> dict[str, int]:
+    """Replicas of each model deployment that run or are being started (STARTING, RECOVERING,
+    UPDATING and RUNNING: a large replica still starting counts against "the large one stayed");
+    not those stopping."""
     from ray import serve
 
     deployments = serve.status().applications[APP].deployments
-    return {name: deployments[name].replica_states.get("RUNNING", 0) for name in ("large", "small")}
+    return {name: sum(n for state, n in deployments[name].replica_states.items() if state != "STOPPING") for name in ("large", "small")}
 
 
 class Watch:
