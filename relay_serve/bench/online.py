@@ -27,7 +27,7 @@ class Round(BaseModel):
     small_token_share: float
     active_version: str  # after the round
     active_cues: list[str]
-    active_source: str
+    active_source: str  # the version's file inside the cue store (the store is a temporary directory)
     scored: int | None  # generations in the shared statistics
 
 
@@ -59,6 +59,13 @@ def publish_start_set(cfg: AppConfig, cues: list[str]) -> str:
     return cue_set.version
 
 
+def _in_store(source: str) -> str:
+    """A cue set's source without the store's location (``versions/<version>.json``): no machine
+    path in a committed result."""
+    head, sep, rest = source.rpartition("/versions/")
+    return "versions/" + rest if sep else source
+
+
 def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 3, concurrency: int = 8,
              target: list[str] | None = None, progress: bool = True) -> tuple[list[Round], int | None]:  # fmt: skip
     """Rounds of ``per_round`` toy relay requests against ``base`` until the active set is
@@ -81,7 +88,7 @@ def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 
             small_token_share=summary.small_token_share,
             active_version=cues["version"],
             active_cues=cues["cues"],
-            active_source=cues.get("source", ""),
+            active_source=_in_store(cues.get("source", "")),
             scored=shared.get("generations"),
         )
         rounds.append(row)
