@@ -33,9 +33,7 @@ from collections.abc import Collection, Iterator, Sequence, Set
 
 import numpy as np
 
-
-def _is_word_char(ch: str) -> bool:
-    return ch.isalnum() or ch == "_"
+from relay_serve.relay.text import is_word_char
 
 
 def ends_with_space(stop: str) -> bool:
@@ -145,7 +143,7 @@ class PauseTokens:
             if len(s) <= n:
                 parts.append(self._suffixes.starting_with(s))  # tokens that hold the whole stop
             if _looks_ahead(s, word_stops):
-                at_word_start = s in word_stops and _is_word_char(s[0])  # a word stop's prefix must start a word
+                at_word_start = s in word_stops and is_word_char(s[0])  # a word stop's prefix must start a word
                 lead = _word_tail(s[::-1])  # how many word characters the stop starts with
                 for j in range(1, min(len(s), n + 1)):
                     prefix = s[:j]
@@ -195,7 +193,7 @@ class PauseTokens:
 def _word_tail(text: str) -> int:
     """How many word characters ``text`` ends with."""
     n = 0
-    while n < len(text) and _is_word_char(text[-n - 1]):
+    while n < len(text) and is_word_char(text[-n - 1]):
         n += 1
     return n
 
@@ -274,7 +272,7 @@ def scan_pause_ids(texts: Sequence[str], stops: tuple[str, ...], word_stops: Col
     inner: set[str] = set()
     for s in stops:
         if _looks_ahead(s, word_stops):
-            at_word_start = s in word_stops and _is_word_char(s[0])
+            at_word_start = s in word_stops and is_word_char(s[0])
             for j in range(1, len(s)):
                 ends[s[:j]] = ends.get(s[:j], True) and at_word_start
                 inner.update(s[i:j] for i in range(1, j))
@@ -302,7 +300,7 @@ def _looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
 def _ends_with(text: str, prefix: str, word_start: bool) -> bool:
     if not text.endswith(prefix):
         return False
-    return not word_start or len(text) == len(prefix) or not _is_word_char(text[-len(prefix) - 1])
+    return not word_start or len(text) == len(prefix) or not is_word_char(text[-len(prefix) - 1])
 
 
 def first_stop(text: str, stops: Sequence[str], word_stops: Sequence[str] = (), before: str = "") -> tuple[int, str] | None:
@@ -312,7 +310,7 @@ def first_stop(text: str, stops: Sequence[str], word_stops: Sequence[str] = (), 
     with the last token (an earlier one would have stopped the request earlier)."""
     for s in stops:
         pos = text.find(s)
-        while pos != -1 and s in word_stops and _is_word_char(s[0]) and _is_word_char((before + text[:pos])[-1:] or " "):
+        while pos != -1 and s in word_stops and is_word_char(s[0]) and is_word_char((before + text[:pos])[-1:] or " "):
             pos = text.find(s, pos + 1)
         if pos != -1:
             return pos + len(s), s
@@ -327,8 +325,8 @@ def lookahead_stops(text: str, stops: Sequence[str], word_stops: Collection[str]
     for s in stops:
         if not _looks_ahead(s, word_stops):
             continue
-        at_word_start = s in word_stops and _is_word_char(s[0])
+        at_word_start = s in word_stops and is_word_char(s[0])
         for j in range(1, len(s)):
-            if full.endswith(s[:j]) and (not at_word_start or not _is_word_char(full[-j - 1 : -j] or " ")):
+            if full.endswith(s[:j]) and (not at_word_start or not is_word_char(full[-j - 1 : -j] or " ")):
                 return True
     return False

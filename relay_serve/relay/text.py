@@ -26,12 +26,14 @@ SENTENCE_STOPS = tuple(f"{p}{ws}" for p in TERMINALS for ws in SENTENCE_SPACES) 
 _SENTENCE_END = re.compile(rf"[{re.escape(TERMINALS)}](?=[{''.join(SENTENCE_SPACES)}])|\n\n")
 
 
-def _is_word_char(ch: str) -> bool:
+def is_word_char(ch: str) -> bool:
+    """A letter, digit or underscore: what a cue's word boundary is made of (here, in the engines'
+    pause tokens, ``engine/stops.py``, and at a stop: one definition)."""
     return ch.isalnum() or ch == "_"
 
 
 def needs_right_boundary(cue: str) -> bool:
-    return bool(cue) and _is_word_char(cue[-1])
+    return bool(cue) and is_word_char(cue[-1])
 
 
 def cue_stop_strings(cues: list[str] | tuple[str, ...]) -> list[str]:
@@ -51,7 +53,7 @@ class CueMatch:
 
 
 def _at_boundary(text: str, cue: str, start: int) -> bool:
-    if start > 0 and _is_word_char(text[start - 1]) and _is_word_char(cue[0]):
+    if start > 0 and is_word_char(text[start - 1]) and is_word_char(cue[0]):
         return False
     end = start + len(cue)
     if needs_right_boundary(cue):
