@@ -310,7 +310,7 @@ def build_config(args: argparse.Namespace) -> CalibrationConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from relay_serve.serve.local import init_ray
+    from relay_serve.cluster import init_ray
 
     envs.route_vllm_logs_to_stderr()
     cfg = build_config(args)

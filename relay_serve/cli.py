@@ -257,7 +257,6 @@ def bench_cmd(
     """relay against the large model alone (on relay-serve and on vLLM's own server), small and
     speculative-thinking, in interleaved rounds: latency, throughput, pass@1, speedup against its
     bound from the engines' own decode costs, handoff costs. Writes JSON, markdown and PNG plots."""
-    import shlex
     import sys
     import time
 
@@ -452,7 +451,7 @@ def serve_cmd(
     ),
 ) -> None:
     """Start the relay service (local Ray, the toy pair and a local cue store unless configured)."""
-    from relay_serve.serve.local import serve_forever
+    from relay_serve.app.local import serve_forever
 
     serve_forever(_load_config(config), host, port, metrics_port)
 
@@ -598,7 +597,8 @@ def cues_converge(
 
     from relay_serve.bench import online
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import free_port, start
+    from relay_serve.cluster import free_port
+    from relay_serve.app.local import start
 
     store = (Path(tempfile.mkdtemp(prefix="relay-converge-store-")) / "cues").as_uri()
     cfg = online.online_config(AppConfig(), store, sample_rate=sample_rate, explore_rate=explore_rate,
@@ -643,8 +643,8 @@ def cues_cost(
 
     from relay_serve.bench import online
     from relay_serve.config import AppConfig, OnlineCalibration
-    from relay_serve.serve.app import build_app
-    from relay_serve.serve.local import free_port, init_ray
+    from relay_serve.app.builder import build_app
+    from relay_serve.cluster import free_port, init_ray
 
     defaults = OnlineCalibration()
     settings = {"off": None, "on (defaults)": (defaults.sample_rate, defaults.explore_rate), "on (every generation)": (1.0, defaults.explore_rate)}

@@ -73,12 +73,12 @@ def default_cpu_engine_env() -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
-ENGINE_LOAD_POLICY = "relay_serve.serve.autoscaling:EngineLoadPolicy"
+ENGINE_LOAD_POLICY = "relay_serve.app.autoscaling:EngineLoadPolicy"
 
 
 class ModelDeploymentSettings(DeploymentSettings):
     """A model deployment's Serve options. With an ``autoscaling_config`` it scales on its
-    engines' load (``serve/autoscaling.py``), not on Serve's ongoing requests (leases)."""
+    engines' load (``app/autoscaling.py``), not on Serve's ongoing requests (leases)."""
 
     target_engine_load: float | None = Field(
         16.0,
@@ -181,7 +181,7 @@ class SelectionRule(BaseModel):
 
 
 class OnlineCalibration(Strict):
-    """Cue sets recalibrated from served traffic (``serve/shadow.py``, ``serve/cue_stats.py``)."""
+    """Cue sets recalibrated from served traffic (``router/shadow.py``, ``online/cue_stats.py``)."""
 
     enabled: bool = Field(False, description="score served relay generations and publish re-selected cue sets")
     sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="the share of finished relay generations a router scores")

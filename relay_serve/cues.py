@@ -1,6 +1,6 @@
 """Cue sets: the calibrated switch cues of one model pair, as a versioned pydantic document, the
 active set a request runs with, and the pair's fingerprint. The router's hot-reloading view is
-``serve/cue_provider.py``; the store, ``store.py``.
+``router/cue_provider.py``; the store, ``store.py``.
 
 Until a calibrated set for the serving pair exists in the store, the router uses the documented
 default set (``CueSettings.default_cues``), reported with version ``"default"``.

@@ -6,7 +6,7 @@ Layout under the store's prefix:
     reports/<version>/        the calibration run's report.json and margins.png
     LATEST                    the version readers should use
     PINNED                    present after a rollback: the pinned version (online publishing pauses)
-    online/stats.json         online calibration's shared statistics (serve/cue_stats.py)
+    online/stats.json         online calibration's shared statistics (online/cue_stats.py)
 
     moves/<sequence>.json     every move of LATEST, in order: {version, previous, at}
 

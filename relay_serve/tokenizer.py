@@ -154,7 +154,7 @@ def check_shared(large: str, small: str, large_from: str, small_from: str) -> No
 def check_pair(cfg: AppConfig) -> Codec:
     """From the model files where this runs (the calibration job, the CLI): the pair shares a
     tokenizer whose decoding keeps the reasoning end marker. Returns the shared codec. The router
-    makes the same checks with what the model replicas report (``serve/startup.py``)."""
+    makes the same checks with what the model replicas report (``router/startup.py``)."""
     large, small = load_codec(cfg.large.tokenizer_path), load_codec(cfg.small.tokenizer_path)
     check_shared(large.fingerprint, small.fingerprint, cfg.large.tokenizer_path, cfg.small.tokenizer_path)
     check_marker(large, cfg.policy.think_close)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from relay_serve.engine import vllm_engine
-from relay_serve.serve.local import free_port
+from relay_serve.cluster import free_port
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def ray_cluster(tmp_path_factory):
     import ray
 
-    from relay_serve.serve.local import init_ray
+    from relay_serve.cluster import init_ray
 
     os.environ["RELAY_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
     init_ray(num_cpus=8, log_to_driver=False)
@@ -35,7 +35,7 @@ def ray_cluster(tmp_path_factory):
 def relay_app(ray_cluster):
     """The default app (toy pair, session affinity) on a free port; yields its base URL."""
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import start
+    from relay_serve.app.local import start
 
     url = start(AppConfig(), host="127.0.0.1", port=free_port())
     yield url

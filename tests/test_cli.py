@@ -30,7 +30,7 @@ def test_config_into_needs_k8s(tmp_path):
     r = runner.invoke(app, ["config", "--into", str(manifest)])
     assert r.exit_code == 2 and "--into" in r.output
     r = runner.invoke(app, ["config", "--format", "k8s", "--into", str(manifest)])
-    assert r.exit_code == 0 and "import_path: relay_serve.serve.app:app_builder" in manifest.read_text()
+    assert r.exit_code == 0 and "import_path: relay_serve.app:app_builder" in manifest.read_text()
 
 
 def test_cues_history_rollback_and_unpin(tmp_path):

@@ -55,7 +55,7 @@ async def _fire(url: str, prompts: list[str]) -> list[dict]:
 def measure(affinity: bool, requests: int, replicas: int, port: int) -> dict:
     from ray import serve
 
-    from relay_serve.serve.local import start
+    from relay_serve.app.local import start
     from relay_serve.toy.world import ToyWorld
 
     cfg = AppConfig()
@@ -77,7 +77,7 @@ def measure(affinity: bool, requests: int, replicas: int, port: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
-    from relay_serve.serve.local import init_ray
+    from relay_serve.cluster import init_ray
 
     init_ray(num_cpus=args.num_cpus, log_to_driver=False)
     results = [measure(a, args.requests, args.replicas, args.port) for a in (True, False)]

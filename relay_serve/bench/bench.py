@@ -261,7 +261,8 @@ def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[
     from ray import serve
 
     from relay_serve.bench.vllm_baseline import VLLMServer
-    from relay_serve.serve.local import free_port, start
+    from relay_serve.cluster import free_port
+    from relay_serve.app.local import start
 
     base = start(cfg, port=port)
     found = {mode: Target(base=base, model=mode) for mode in MODES}
@@ -311,7 +312,7 @@ def variant_rounds(cfg: AppConfig, s: BenchSettings, problems: list[Problem], po
     two apps are four engines)."""
     from ray import serve
 
-    from relay_serve.serve.local import start
+    from relay_serve.app.local import start
 
     runs = []
     base = start(cfg, port=port)
@@ -340,7 +341,7 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
     from relay_serve.bench.render import markdown, plots
     from relay_serve.client import api_headers
     from relay_serve.eval.datasets import load_problems
-    from relay_serve.serve.local import free_port, init_ray
+    from relay_serve.cluster import free_port, init_ray
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")

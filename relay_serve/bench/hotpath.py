@@ -280,9 +280,9 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
 def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
     import httpx
 
-    from relay_serve.serve.backend import ServeBackend
-    from relay_serve.serve.model_server import ModelServer
-    from relay_serve.serve.router import RelayRouter
+    from relay_serve.router.backend import ServeBackend
+    from relay_serve.replica.model_server import ModelServer
+    from relay_serve.router.ingress import RelayRouter
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer
 

@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
 
 from pydantic import BaseModel, Field
 

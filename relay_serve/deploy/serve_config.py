@@ -19,7 +19,7 @@ def serve_config(cfg: AppConfig, host: str = "0.0.0.0", port: int = 8000) -> dic
             {
                 "name": cfg.name,
                 "route_prefix": cfg.route_prefix,
-                "import_path": "relay_serve.serve.app:app_builder",
+                "import_path": "relay_serve.app:app_builder",
                 "args": cfg.model_dump(mode="json"),
             }
         ],

@@ -63,7 +63,8 @@ def service(url: str | None) -> Iterator[str]:
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import free_port, start
+    from relay_serve.cluster import free_port
+    from relay_serve.app.local import start
 
     base = start(AppConfig(), port=free_port())
     try:

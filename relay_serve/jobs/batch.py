@@ -431,7 +431,8 @@ def router_handle(cfg: AppConfig | None = None):
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import init_ray, start
+    from relay_serve.cluster import init_ray
+    from relay_serve.app.local import start
 
     cfg = cfg or AppConfig()
     init_ray(cfg.env_vars)

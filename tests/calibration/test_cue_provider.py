@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from relay_serve.config import AppConfig
-from relay_serve.serve.cue_provider import CueProvider
+from relay_serve.router.cue_provider import CueProvider
 from relay_serve.store import CueStore
 from tests.calibration.test_store import make_set
 

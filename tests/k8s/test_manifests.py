@@ -106,14 +106,14 @@ def test_serve_config_validates_against_ray_serve_schema():
     data = yaml.safe_load(embedded_serve_config((K8S / "rayservice.yaml").read_text()))
     schema = ServeDeploySchema.parse_obj(data)
     (app,) = schema.applications
-    assert app.import_path == "relay_serve.serve.app:app_builder"
+    assert app.import_path == "relay_serve.app:app_builder"
     cfg = AppConfig.model_validate(app.args)  # the args are a valid app config
     from ray.serve.config import AutoscalingConfig
 
     for m in (cfg.large, cfg.small):  # scaled on their engines' load (the policy resolves and takes its kwargs)
         scaling = AutoscalingConfig(**m.deployment.serve_options()["autoscaling_config"])
         assert scaling.min_replicas <= scaling.max_replicas
-        assert scaling.policy.policy_function == "relay_serve.serve.autoscaling:EngineLoadPolicy"
+        assert scaling.policy.policy_function == "relay_serve.app.autoscaling:EngineLoadPolicy"
         assert scaling.policy.policy_kwargs == {"target_per_replica": m.deployment.target_engine_load}
         assert callable(scaling.policy.get_policy()(**scaling.policy.policy_kwargs))
     scaling = AutoscalingConfig(**cfg.router.deployment.serve_options()["autoscaling_config"])  # on its requests

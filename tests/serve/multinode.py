@@ -87,8 +87,8 @@ def main() -> None:
 
     from relay_serve.config import default_cpu_engine_env
     from relay_serve.eval.datasets import load_problems
-    from relay_serve.serve.app import build_app
-    from relay_serve.serve.local import free_port
+    from relay_serve.app.builder import build_app
+    from relay_serve.cluster import free_port
 
     os.environ.update(default_cpu_engine_env())  # the raylets (and so every worker) start with it
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

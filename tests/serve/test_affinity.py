@@ -22,7 +22,7 @@ def test_a_request_waiting_for_a_full_replica_does_not_spin(ray_cluster):
     @serve.deployment(
         max_ongoing_requests=1,
         ray_actor_options={"num_cpus": 0},
-        request_router_config=RequestRouterConfig(request_router_class="relay_serve.serve.affinity.SessionAffinityRouter"),
+        request_router_config=RequestRouterConfig(request_router_class="relay_serve.router.affinity.SessionAffinityRouter"),
     )
     class Slow:
         async def __call__(self, s: float) -> float:

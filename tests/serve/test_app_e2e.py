@@ -182,7 +182,7 @@ def test_a_router_that_cannot_read_the_model_files_starts_and_serves(relay_app):
 
     from relay_serve.config import AppConfig
     from relay_serve.cues import pair_fingerprint
-    from relay_serve.serve.router import RelayRouter
+    from relay_serve.router.ingress import RelayRouter
 
     cfg = AppConfig()
     blind = cfg.model_copy(deep=True)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relay_serve.serve.autoscaling import ENGINE_LOAD, EngineLoadPolicy
+from relay_serve.app.autoscaling import ENGINE_LOAD, EngineLoadPolicy
 
 
 def ctx(loads: dict[str, float] | None, target: int = 1):

@@ -7,7 +7,7 @@ import pytest
 
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import EngineChunk, SegmentRequest
-from relay_serve.serve.backend import ServeBackend
+from relay_serve.router.backend import ServeBackend
 
 
 class FakeResponse:

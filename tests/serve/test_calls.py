@@ -2,7 +2,7 @@
 
 Made while the router serves a client's request, a handle call would inherit that request's
 internal id; Ray Serve 2.60's request router then loses one of two calls pending on a deployment
-with the same id and spins the router's event loop (serve/calls.py). The oracle is Ray Serve's own
+with the same id and spins the router's event loop (router/calls.py). The oracle is Ray Serve's own
 request context as each fake handle sees it at ``.remote()``: no parent id, whatever the caller's.
 The last test runs the case that hung on a real Serve app (without ``own_request`` the waiting
 call is never placed and the caller's event loop spins: not asserted here, it wedges the replica)."""
@@ -15,9 +15,9 @@ import pytest
 from ray.serve import context as serve_context
 
 from relay_serve.relay.types import EngineChunk, EngineTraits, SegmentRequest
-from relay_serve.serve.backend import ServeBackend
-from relay_serve.serve.calls import own_request
-from relay_serve.serve.model_server import ModelServer
+from relay_serve.router.backend import ServeBackend
+from relay_serve.router.calls import own_request
+from relay_serve.replica.model_server import ModelServer
 from tests.serve.test_transport import FakeEngine, LeaseCall
 
 PARENT = "the-clients-request"
@@ -134,8 +134,8 @@ CALLER_SRC = '''
 import asyncio, contextvars, time
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from relay_serve.serve.affinity import SessionAffinityRouter
-from relay_serve.serve.calls import own_request
+from relay_serve.router.affinity import SessionAffinityRouter
+from relay_serve.router.calls import own_request
 
 
 @serve.deployment(max_ongoing_requests=1, request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter))

@@ -9,16 +9,9 @@ import struct
 
 import pytest
 
-from relay_serve.serve.channel import (
-    FRAME,
-    MAX_FRAME_BYTES,
-    Channel,
-    ChannelError,
-    ChannelPool,
-    RemoteError,
-    SegmentServer,
-    pack,
-)
+from relay_serve.protocol import FRAME, MAX_FRAME_BYTES, ChannelError, RemoteError, pack
+from relay_serve.replica.channel import SegmentServer
+from relay_serve.router.channel import Channel, ChannelPool
 
 
 class Runner:
@@ -270,7 +263,7 @@ def test_a_duplicate_request_id_is_an_error_for_that_id_and_the_connection_serve
 
 
 def test_a_connection_ends_only_its_own_sessions():
-    from relay_serve.serve.model_server import ModelServer
+    from relay_serve.replica.model_server import ModelServer
     from tests.serve.test_transport import FakeEngine
 
     async def go():
@@ -393,7 +386,7 @@ def test_a_cancelled_connect_does_not_fail_the_others_waiting_on_it():
 
 
 def test_a_request_nobody_reads_fails_instead_of_growing_without_end(monkeypatch):
-    from relay_serve.serve import channel as channel_module
+    from relay_serve.router import channel as channel_module
 
     monkeypatch.setattr(channel_module, "MAX_PENDING_CHUNKS", 5)
 

@@ -37,7 +37,7 @@ def test_serve_config_validates_against_ray_serve_schema():
     doc = yaml.safe_load(serve_config_yaml(AppConfig()))
     schema = ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(doc)
     app = schema.applications[0]
-    assert app.import_path == "relay_serve.serve.app:app_builder"
+    assert app.import_path == "relay_serve.app:app_builder"
     assert AppConfig.model_validate(app.args) == AppConfig()
     assert serve_config(AppConfig(), port=9000)["http_options"]["port"] == 9000
 
@@ -47,7 +47,7 @@ def test_deployment_options_pass_through():
         {"small": {"model": "toy:small", "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}}}
     )
     opts = cfg.small.deployment.serve_options()
-    engine_load = {"policy_function": "relay_serve.serve.autoscaling:EngineLoadPolicy", "policy_kwargs": {"target_per_replica": 16.0}}
+    engine_load = {"policy_function": "relay_serve.app.autoscaling:EngineLoadPolicy", "policy_kwargs": {"target_per_replica": 16.0}}
     assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "policy": engine_load} and "num_replicas" not in opts
     assert cfg.large.deployment.serve_options()["num_replicas"] == 1
 

@@ -14,10 +14,10 @@ import pytest
 from relay_serve.engine.base import EngineInfo
 from relay_serve.engine.vllm_engine import speculative_traits
 from relay_serve.relay.types import EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
-from relay_serve.serve.model_server import ModelServer
+from relay_serve.replica.model_server import ModelServer
 from tests.serve.test_router import call, chat, make_router
 from tests.serve.test_transport import FakeEngine, FakeHandle
-from relay_serve.serve.backend import ServeBackend
+from relay_serve.router.backend import ServeBackend
 
 GREEDY_ONLY = EngineTraits(speculative="draft_model k=8", greedy_only="speculative decoding on vLLM-CPU")
 
@@ -148,7 +148,7 @@ def test_a_deployment_that_does_not_answer_delays_only_the_first_request(monkeyp
     """The small deployment at zero replicas never answers ``info``: the first request waits the
     bound, later ones not at all (before, each waited the bound again once it expired); when the
     deployment answers, its traits are used."""
-    import relay_serve.serve.backend as backend_module
+    import relay_serve.router.backend as backend_module
 
     monkeypatch.setattr(backend_module, "TRAITS_TIMEOUT_S", 0.2)
 

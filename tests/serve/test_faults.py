@@ -43,7 +43,7 @@ def fault_config(small_at_zero: bool = False):
 def deploy(cfg) -> None:
     from ray import serve
 
-    from relay_serve.serve.app import build_app
+    from relay_serve.app.builder import build_app
 
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
     deadline = time.time() + 300

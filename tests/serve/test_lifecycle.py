@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relay_serve.serve.local import free_port
+from relay_serve.cluster import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 

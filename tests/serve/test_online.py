@@ -12,14 +12,14 @@ import random
 import pytest
 
 from relay_serve.config import AppConfig
-from relay_serve.serve.cue_stats import CueStatistics, CueStatsActor, reselect
+from relay_serve.online.cue_stats import CueStatistics, CueStatsActor, reselect
 from relay_serve.cues import model_pair
-from relay_serve.serve.shadow import ShadowScorer
+from relay_serve.router.shadow import ShadowScorer
 from relay_serve.store import CueStore
 from relay_serve.tokenizer import load_codec
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.calibration.test_store import make_set
-from tests.serve.test_router import call, chat, make_router
+from tests.serve.test_router import chat, make_router
 
 P_TOP, P_SECOND = 0.9, 0.05  # every position's two best probabilities under the fake scorer
 
@@ -253,7 +253,7 @@ def test_an_actor_found_by_a_redeployed_app_takes_its_settings(tmp_path):
 def test_scoring_a_generation_gives_up_after_its_timeout():
     """A hung replica does not wedge the router's only scoring worker: the sample is lost, the
     next one is scored."""
-    from relay_serve.serve.shadow import ShadowScorer
+    from relay_serve.router.shadow import ShadowScorer
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.tokenizer import TOKENIZER_DIR
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from relay_serve.serve.local import free_port
+from relay_serve.cluster import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 
@@ -29,7 +29,7 @@ N_PLAIN, N_STREAMED = 8, 4
 @pytest.fixture(scope="module")
 def prometheus(ray_cluster, tmp_path_factory):
     """A Prometheus on loopback scraping this cluster's node every second; yields its URL."""
-    from relay_serve.serve.local import node_metrics_port
+    from relay_serve.cluster import node_metrics_port
 
     binary = shutil.which("prometheus")
     assert binary, "Debian's prometheus is not installed: `make test` installs it (apt-get install prometheus)"

@@ -17,7 +17,7 @@ def test_health_is_503_while_the_models_start_and_200_once_a_request_is_quick(re
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.serve.app import build_app
+    from relay_serve.app.builder import build_app
 
     cfg = AppConfig(name="fresh", route_prefix="/fresh")
     for d in (cfg.large.deployment, cfg.small.deployment, cfg.router.deployment):

@@ -12,7 +12,7 @@ import pytest
 
 from relay_serve.relay.session import EngineError
 from relay_serve.relay.types import EngineChunk
-from relay_serve.serve.router import RelayRouter
+from relay_serve.router.ingress import RelayRouter
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.fakes import FakeBackend, follow
 
@@ -200,8 +200,8 @@ def test_a_generation_past_the_request_timeout_is_a_504():
 def test_a_stream_past_its_deadline_while_a_slow_client_reads_still_ends_with_the_error_and_done():
     """The deadline fires while the client is being written to (it reads slowly): the generation
     stops, and the client still gets the timeout event and [DONE], counted as a 504."""
-    from relay_serve.serve.openai_api import ChatCompletionRequest
-    from relay_serve.serve.streaming import events
+    from relay_serve.router.openai_api import ChatCompletionRequest
+    from relay_serve.router.streaming import events
 
     router, backend = make_router(request_timeout_s=0.4)
     backend.delay_s = 0.02
@@ -354,7 +354,7 @@ def test_health_says_starting_until_the_large_deployment_answers_and_requests_wa
 def test_a_deployment_that_may_scale_to_zero_is_asked_only_once_a_segment_of_it_was_answered(monkeypatch):
     """A call queued for a deployment without replicas would scale it up: the router asks the
     small deployment what it serves only once one of its segments was answered."""
-    from relay_serve.serve import startup
+    from relay_serve.router import startup
 
     monkeypatch.setattr(startup, "LAZY_POLL_S", 0.05)
     router, backend = make_router(started=False)
@@ -496,7 +496,7 @@ def test_auto_generations_that_ran_together_teach_the_load_they_ran_under():
 def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it():
     import threading
 
-    from relay_serve.serve.generations import OFF_LOOP_PROMPT_CHARS
+    from relay_serve.router.generations import OFF_LOOP_PROMPT_CHARS
 
     router, _ = make_router()
     codec = router.generations.codec

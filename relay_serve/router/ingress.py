@@ -20,16 +20,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from relay_serve.config import AppConfig
 from relay_serve.relay.policy import MODEL_IDS
 from relay_serve.relay.types import Backend
-from relay_serve.serve.calls import own_request
-from relay_serve.serve.cue_provider import CueProvider
-from relay_serve.serve.generations import Generations
-from relay_serve.serve.http import RequestModel, build_api, read_request, validate
-from relay_serve.serve.metrics import RouterMetrics
-from relay_serve.serve.placement import node_id
-from relay_serve.serve.shadow import ShadowScorer
-from relay_serve.serve.startup import PairStartup
-from relay_serve.serve.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
-from relay_serve.serve.streaming import events
+from relay_serve.router.calls import own_request
+from relay_serve.router.cue_provider import CueProvider
+from relay_serve.router.generations import Generations
+from relay_serve.router.http import RequestModel, build_api, read_request, validate
+from relay_serve.router.metrics import RouterMetrics
+from relay_serve.cluster import node_id
+from relay_serve.router.shadow import ShadowScorer
+from relay_serve.router.startup import PairStartup
+from relay_serve.router.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
+from relay_serve.router.streaming import events
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RelayRouter:
         self.cues = CueProvider(self.cfg, pair_fingerprint=None)  # the pair's, once the deployments said it
         self.metrics = metrics if metrics is not None else RouterMetrics(self.cfg.name)
         # the tokenizer, the pair's fingerprint and the context length come from the model
-        # replicas: the router reads no model files (serve/startup.py)
+        # replicas: the router reads no model files (router/startup.py)
         self.startup = PairStartup(self.cfg, self.backend, on_pair=self._on_pair)
         self.generations = Generations(self.cfg, self.startup, self.backend, self.cues, self.metrics)
         self.stats_actor = None
@@ -72,7 +72,7 @@ class RelayRouter:
         """Online cue calibration: generations scored by the small deployment, margins to the
         app's shared statistics actor."""
         from relay_serve.cues import ModelPair
-        from relay_serve.serve.shadow import stats_actor
+        from relay_serve.router.shadow import stats_actor
 
         pair = ModelPair(large=self.cfg.large.model, small=self.cfg.small.model, fingerprint=fingerprint)
         actor = self.stats_actor = stats_actor(self.cfg, pair)
@@ -234,8 +234,8 @@ class RelayRouter:
 
 def _serve_backend(cfg: AppConfig, large, small) -> Backend:
     """The Backend over the model deployments' handles, as the router config says."""
-    from relay_serve.serve import affinity_registry
-    from relay_serve.serve.backend import ServeBackend
+    from relay_serve.router import affinity_registry
+    from relay_serve.router.backend import ServeBackend
 
     r = cfg.router
     return ServeBackend(

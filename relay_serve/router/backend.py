@@ -29,9 +29,9 @@ from relay_serve.relay.types import (
     SegmentRequest,
     Streaming,
 )
-from relay_serve.serve.calls import own_request
-from relay_serve.serve.channel import RemoteError
-from relay_serve.serve.transport import DirectTransport, HandleTransport
+from relay_serve.router.calls import own_request
+from relay_serve.protocol import RemoteError
+from relay_serve.router.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from relay_serve.relay.auto import AutoChooser, LoadClock, Mark
 from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
 from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, ModelRole, SamplingSettings
-from relay_serve.serve.cue_provider import CueProvider
-from relay_serve.serve.metrics import RouterMetrics
-from relay_serve.serve.shadow import ShadowScorer
-from relay_serve.serve.startup import PairRefused, PairStartup, ServedPair
-from relay_serve.serve.openai_api import (
+from relay_serve.router.cue_provider import CueProvider
+from relay_serve.router.metrics import RouterMetrics
+from relay_serve.router.shadow import ShadowScorer
+from relay_serve.router.startup import PairRefused, PairStartup, ServedPair
+from relay_serve.router.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -47,7 +47,7 @@ class CueProvider:
         return self._store
 
     def set_pair(self, fingerprint: str) -> None:
-        """The pair's fingerprint, once the model deployments said it (``serve/startup.py``): until
+        """The pair's fingerprint, once the model deployments said it (``router/startup.py``): until
         then the default set serves, since a calibrated set is for one pair."""
         if fingerprint != self.pair_fingerprint:
             self.pair_fingerprint = fingerprint

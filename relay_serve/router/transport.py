@@ -6,7 +6,7 @@ answers with the address and token of its segment channel and then holds open un
 releases it, its channel connection closes, or ``ttl_s`` passes. Ray Serve therefore still chooses
 the replica (least loaded), admits the generation (``max_ongoing_requests`` counts leases) and
 reports a dead replica (the lease call fails); autoscaling is on the engines' own load instead
-(``serve/autoscaling.py``), since a held lease is not work. Every segment of
+(``app/autoscaling.py``), since a held lease is not work. Every segment of
 the generation then goes over the channel to the leased replica: session affinity by construction,
 and a handoff costs a TCP round trip instead of a Serve call. With ``resumable`` (and an engine that
 has them), the segments of a generation on one replica continue one resumable engine request
@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.relay.types import ContextGap, EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming, pack_token_ids
-from relay_serve.serve.calls import own_request
-from relay_serve.serve.channel import ChannelError, ChannelPool, RemoteError
+from relay_serve.router.calls import own_request
+from relay_serve.protocol import ChannelError, RemoteError
+from relay_serve.router.channel import ChannelPool
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class HandleTransport:
 
     def release(self, session_id: str) -> None:
         if self.affinity:
-            from relay_serve.serve.affinity import release_session
+            from relay_serve.router.affinity import release_session
 
             release_session(session_id)
 
@@ -57,7 +58,7 @@ class HandleTransport:
         pass
 
     def stats(self) -> dict[str, int]:
-        from relay_serve.serve.affinity import affinity_map_size
+        from relay_serve.router.affinity import affinity_map_size
 
         return {"affinity_sessions": affinity_map_size()}
 

@@ -26,9 +26,9 @@ from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens
 from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest, Streaming
-from relay_serve.serve.autoscaling import ENGINE_LOAD
-from relay_serve.serve.channel import SegmentServer
-from relay_serve.serve.placement import node_id, node_ip
+from relay_serve.app.autoscaling import ENGINE_LOAD
+from relay_serve.replica.channel import SegmentServer
+from relay_serve.cluster import node_id, node_ip
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class ModelServer:
 
     async def tokenizer_files(self) -> dict[str, bytes]:
         """The model's tokenizer as files: the router builds its own from them (it reads no model
-        files; ``serve/startup.py``)."""
+        files; ``router/startup.py``)."""
         from relay_serve.tokenizer import load_codec, tokenizer_files
 
         return await asyncio.to_thread(lambda: tokenizer_files(load_codec(self.settings.tokenizer_path).tokenizer))
@@ -243,7 +243,7 @@ class ModelServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics (sampled by the replica, averaged over the
         look-back window by the controller): this replica's engine load, the segments running
-        or queued in its engine. ``serve/autoscaling.py`` scales on it. Serve's own count of
+        or queued in its engine. ``app/autoscaling.py`` scales on it. Serve's own count of
         ongoing requests would count leases, which follow the number of generations, not the work
         a model does."""
         return {ENGINE_LOAD: float(self.requests_in_flight)}

@@ -5,74 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any
 
-from relay_serve import envs
+from relay_serve.cluster import init_ray, metrics_url
 from relay_serve.config import AppConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (for apps started by eval, bench and the tests)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def init_ray(
-    env_vars: dict[str, str] | None = None, num_cpus: int | None = None, metrics_port: int | None = None, **kwargs: Any
-) -> None:
-    """Connect to RELAY_RAY_ADDRESS, or start a local Ray; ``env_vars`` reach every worker (the
-    Serve controller and proxies too). ``metrics_port``: where a local Ray's metrics agent serves
-    Prometheus (a cluster's nodes have theirs from ``ray start --metrics-export-port``)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    runtime_env = {"env_vars": dict(env_vars if env_vars is not None else AppConfig().env_vars)}
-    address = envs.ray_address()
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, **kwargs)
-        if metrics_port is not None and metrics_port != node_metrics_port():
-            log.warning("--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, node_metrics_port())
-    else:
-        if metrics_port is not None:
-            kwargs["_metrics_export_port"] = metrics_port
-        envs.run_local_ray_workers_at_normal_priority()
-        # Serve's direct ingress holds a stopping ingress replica open 30 s for external load
-        # balancers to deregister it; a local Ray has none (in-flight requests are still awaited).
-        runtime_env["env_vars"].setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
-        ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
-
-
-def _this_node() -> dict[str, Any]:
-    import ray
-
-    from relay_serve.serve.placement import node_id
-
-    here = node_id()
-    return next(n for n in ray.nodes() if n["NodeID"] == here)
-
-
-def node_metrics_port() -> int:
-    return int(_this_node()["MetricsExportPort"])
-
-
-def metrics_url() -> str:
-    """Where this node's Ray metrics agent serves Prometheus (the relay metrics among them)."""
-    node = _this_node()
-    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None, metrics_port: int | None = None) -> str:
     """Start Ray (unless connected), Serve and the app; return the base URL once it is ready."""
     from ray import serve
 
-    from relay_serve.serve.app import build_app
+    from relay_serve.app.builder import build_app
 
     init_ray(cfg.env_vars, num_cpus, metrics_port=metrics_port)
     serve.start(http_options={"host": host, "port": port})

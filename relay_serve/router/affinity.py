@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from relay_serve.serve import affinity_registry as registry
+from relay_serve.router import affinity_registry as registry
 
 
 class SessionAffinityRouter(RequestRouter):

@@ -1,6 +1,6 @@
 """Online cue calibration's shared statistics and its publisher.
 
-Every router replica sends the margins of the generations it scored (``serve/shadow.py``) to one
+Every router replica sends the margins of the generations it scored (``router/shadow.py``) to one
 Ray actor per app (``CueStatsActor``, detached, named after the app and the pair), which keeps the
 calibration job's statistics over the newest ``window_generations`` scored generations (per
 candidate cue: the mean margin in each scored occurrence's sentence; the mean margin of every

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from relay_serve.relay.types import GenerationResult, TextDelta
-from relay_serve.serve.generations import CLIENT_GONE, Generation, Generations, failure, usage
-from relay_serve.serve.openai_api import error_body, new_id, now
+from relay_serve.router.generations import CLIENT_GONE, Generation, Generations, failure, usage
+from relay_serve.router.openai_api import error_body, new_id, now
 
 
 class EventFormat:

@@ -5,7 +5,7 @@ scoring itself, in the background.
   scores the generation teacher-forced (``ModelServer.score``, prompt log-probabilities), and the
   calibration job's own code turns that into margins (``calibration_jobs.margins.trace_margins``),
   counting only the tokens the large model wrote. The margins go to the app's shared statistics
-  (``serve/cue_stats.py``).
+  (``online/cue_stats.py``).
 - ``explore_rate`` e: about e of relay generations hand off nothing during the reasoning (the large
   model writes all of it; the small model still writes the answer) and are always scored: the
   large model never writes the sentence after a selected cue otherwise, so without them the
@@ -115,7 +115,7 @@ def stats_actor(cfg: AppConfig, pair: ModelPair):
     (``configure``): a redeployed app's ``cues.online`` applies, not the first router's."""
     import ray
 
-    from relay_serve.serve.cue_stats import CueStatsActor
+    from relay_serve.online.cue_stats import CueStatsActor
 
     name = f"relay-cue-stats-{cfg.name}-{pair.fingerprint}"
     options = {k: v for k, v in cfg.router.deployment.ray_actor_options.items() if k in ("resources", "runtime_env")}
