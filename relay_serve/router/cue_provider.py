@@ -9,8 +9,8 @@ import time
 from datetime import datetime, timezone
 
 from relay_serve.config import AppConfig
-from relay_serve.cues import DEFAULT_VERSION, ActiveCues
-from relay_serve.store import CueStore
+from relay_serve.calibration.cues import DEFAULT_VERSION, ActiveCues
+from relay_serve.calibration.store import CueStore
 
 log = logging.getLogger(__name__)
 

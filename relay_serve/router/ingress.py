@@ -71,7 +71,7 @@ class RelayRouter:
     def _shadow(self, codec, small, fingerprint: str) -> ShadowScorer:
         """Online cue calibration: generations scored by the small deployment, margins to the
         app's shared statistics actor."""
-        from relay_serve.cues import ModelPair
+        from relay_serve.calibration.cues import ModelPair
         from relay_serve.router.shadow import stats_actor
 
         pair = ModelPair(large=self.cfg.large.model, small=self.cfg.small.model, fingerprint=fingerprint)

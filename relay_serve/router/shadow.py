@@ -3,7 +3,7 @@ scoring itself, in the background.
 
 - ``sample_rate`` r: about r of a router's finished relay generations are scored: the small model
   scores the generation teacher-forced (``ModelServer.score``, prompt log-probabilities), and the
-  calibration job's own code turns that into margins (``calibration_jobs.margins.trace_margins``),
+  calibration job's own code turns that into margins (``relay_serve.calibration.margins.trace_margins``),
   counting only the tokens the large model wrote. The margins go to the app's shared statistics
   (``online/cue_stats.py``).
 - ``explore_rate`` e: about e of relay generations hand off nothing during the reasoning (the large
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
-from relay_serve.cues import ModelPair
+from relay_serve.calibration.cues import ModelPair
 from relay_serve.tokenizer import Codec
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class ShadowItem:
 class ShadowScorer:
     def __init__(self, cfg: AppConfig, codec: Codec, score: Scorer, sink: Sink, count: Callable[[str], None] | None = None,
                  rng: random.Random | None = None) -> None:  # fmt: skip
-        from calibration_jobs.candidates import default_candidates
+        from relay_serve.calibration.candidates import default_candidates
 
         self.online = cfg.cues.online
         self.codec = codec
@@ -91,7 +91,7 @@ class ShadowScorer:
                 log.warning("scoring a served generation failed: %s: %s", type(e).__name__, e)
 
     async def score_one(self, item: ShadowItem) -> dict[str, Any]:
-        from calibration_jobs.margins import trace_margins
+        from relay_serve.calibration.margins import trace_margins
 
         # a hung replica must not wedge the only scoring worker: give the sample up
         rows = await asyncio.wait_for(self._score(item.prompt_ids + item.token_ids, len(item.prompt_ids)), self.online.score_timeout_s)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
-from relay_serve.cues import combine_fingerprints
+from relay_serve.calibration.cues import combine_fingerprints
 from relay_serve.relay.types import Backend, ModelIdentity, ModelRole
 from relay_serve.tokenizer import Codec, check_marker, check_shared
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from relay_serve.store import CueStore
+from relay_serve.calibration.store import CueStore
 from relay_serve.toy.world import EASY_CUES, HARD_CUES
 from tests.conftest import free_port
 

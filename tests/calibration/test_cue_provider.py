@@ -7,7 +7,7 @@ import asyncio
 
 from relay_serve.config import AppConfig
 from relay_serve.router.cue_provider import CueProvider
-from relay_serve.store import CueStore
+from relay_serve.calibration.store import CueStore
 from tests.calibration.test_store import make_set
 
 

@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from relay_serve.cues import CalibrationData, CueSet, CueStats, ModelPair, SelectionRule
-from relay_serve.store import CorruptCueSet, CueStore, StoreError, check_version
+from relay_serve.calibration.cues import CalibrationData, CueSet, CueStats, ModelPair, SelectionRule
+from relay_serve.calibration.store import CorruptCueSet, CueStore, StoreError, check_version
 from tests.conftest import free_port
 
 
@@ -157,7 +157,7 @@ def test_rollback_pins_and_unpin_releases(tmp_path):
 
 
 def test_history_is_in_creation_order_with_provenance(tmp_path):
-    from relay_serve.cues import Provenance
+    from relay_serve.calibration.cues import Provenance
 
     store = CueStore((tmp_path / "cues").as_uri())
     store.publish(make_set("b-first"))
@@ -184,7 +184,7 @@ def race(uri: str, opts: dict | None = None, trials: int = 50) -> None:
     complete: each move starts from the one before it."""
     import threading
 
-    from relay_serve.store import PublishConflict
+    from relay_serve.calibration.store import PublishConflict
 
     offline, online = CueStore(uri, opts), CueStore(uri, opts)
     offline.publish(make_set("start"))

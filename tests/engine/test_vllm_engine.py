@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from relay_serve.toy.evaluate import TOY_ENGINE_ARGS, evaluate_model
+from relay_serve.eval.toy_models import TOY_ENGINE_ARGS, evaluate_model
 
 pytestmark = pytest.mark.vllm
 

@@ -51,3 +51,18 @@ def test_bad_datasets_are_named(tmp_path):
         load_problems(f"jsonl:{bad}")
     with pytest.raises(DatasetError, match="exceeds"):
         load_problems("gsm8k", 10**6)
+
+
+def test_toy_calibration_draws_training_problems_and_leaves_the_held_out_ones_to_evaluation():
+    from relay_serve.eval.datasets import calibration_problems
+    from relay_serve.toy.world import ToyWorld
+
+    world = ToyWorld()
+    train = {p.prompt for p in world.train_problems}
+    heldout = {p.prompt for p in world.heldout_problems}
+    drawn = calibration_problems("toy", 40, seed=3)
+    assert len(drawn) == 40 and {p.problem for p in drawn} <= train and not {p.problem for p in drawn} & heldout
+    assert [p.problem for p in calibration_problems("toy", 40, seed=3)] == [p.problem for p in drawn]
+    assert [p.problem for p in calibration_problems("toy", 40, seed=4)] != [p.problem for p in drawn]
+    with pytest.raises(DatasetError, match="training problems"):
+        calibration_problems("toy", len(train) + 1)

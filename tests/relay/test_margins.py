@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from calibration_jobs.margins import group_margins, margin_from_logprobs
+from relay_serve.calibration.margins import group_margins, margin_from_logprobs
 
 
 def test_margin_from_logprobs():

@@ -103,8 +103,8 @@ def test_running_router_picks_up_a_newly_published_cue_set(client, relay_app):
     import httpx
 
     from relay_serve.config import AppConfig
-    from relay_serve.cues import pair_fingerprint
-    from relay_serve.store import CueStore
+    from relay_serve.calibration.cues import pair_fingerprint
+    from relay_serve.calibration.store import CueStore
     from tests.calibration.test_store import make_set
 
     cfg = AppConfig()
@@ -181,7 +181,7 @@ def test_a_router_that_cannot_read_the_model_files_starts_and_serves(relay_app):
     from ray import serve
 
     from relay_serve.config import AppConfig
-    from relay_serve.cues import pair_fingerprint
+    from relay_serve.calibration.cues import pair_fingerprint
     from relay_serve.router.ingress import RelayRouter
 
     cfg = AppConfig()

@@ -304,7 +304,7 @@ def test_a_pair_whose_decoding_loses_the_reasoning_end_marker_is_refused():
 def test_the_router_reads_no_model_files():
     """Model paths the router's process cannot read: it serves with what the deployments report
     (the tokenizer, the context length), and takes the pair's fingerprint from them."""
-    from relay_serve.cues import combine_fingerprints
+    from relay_serve.calibration.cues import combine_fingerprints
     from relay_serve.tokenizer import load_codec
 
     cfg = {

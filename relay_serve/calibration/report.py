@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from relay_serve.cues import CueSet
+from relay_serve.calibration.cues import CueSet
 
 
 def write_report(cue_set: CueSet, out_dir: Path, paper_selected: list[str], times: dict) -> tuple[Path, Path]:

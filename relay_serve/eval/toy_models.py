@@ -87,7 +87,7 @@ def evaluate_model(name: str, n: int = 100, seed: int = 0, models_dir: Path | No
 def cue_margins(n: int = 200, seed: int = 0, models_dir: Path | None = None, temperature: float = 1.0) -> dict:
     """The small model's mean margin after each toy cue, teacher-forced on traces the large model
     sampled (greedy traces never restate: the large model's likeliest next step is a new one)."""
-    from calibration_jobs.margins import trace_margins
+    from relay_serve.calibration.margins import trace_margins
     from relay_serve.toy.world import EASY_CUES, HARD_CUES
 
     world = ToyWorld()

@@ -33,7 +33,7 @@ from typing import Any, Final
 
 import fsspec
 
-from relay_serve.cues import CueSet
+from relay_serve.calibration.cues import CueSet
 
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -12,7 +12,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from relay_serve.cues import CueStats, SelectionRule
+from relay_serve.calibration.cues import CueStats, SelectionRule
 
 
 def cue_stats(cue: str, values: Sequence[float], confidence: float) -> CueStats:

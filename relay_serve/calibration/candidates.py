@@ -1,9 +1,7 @@
 """Candidate cues: common discourse words of reasoning traces (the paper's candidate pool), each
-with and without a comma and in both cases, plus the toy world's cues."""
+with and without a comma and in both cases."""
 
 from __future__ import annotations
-
-from relay_serve.toy.world import EASY_CUES, HARD_CUES
 
 DISCOURSE_WORDS = (
     "So", "Thus", "Therefore", "Hence", "But", "However", "Wait", "Hmm", "Now", "Next",
@@ -17,7 +15,4 @@ def default_candidates() -> list[str]:
     for word in DISCOURSE_WORDS:
         for w in (word, word.lower()):
             forms += [w, w + ","]
-    for cue in EASY_CUES + HARD_CUES:
-        if cue not in forms:
-            forms.append(cue)
     return forms
