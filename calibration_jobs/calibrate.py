@@ -24,8 +24,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from relay_serve import envs
+from relay_serve.calibration.cues import (
+    CalibrationData,
+    CueSet,
+    SelectionRule,
+    model_pair,
+)
 from relay_serve.config import AppConfig, ModelSettings
-from relay_serve.calibration.cues import CalibrationData, CueSet, SelectionRule, model_pair
 
 TOY = "toy"
 

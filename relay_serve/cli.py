@@ -261,7 +261,12 @@ def bench_cmd(
     import time
 
     from relay_serve import envs
-    from relay_serve.bench.bench import PROFILES, BenchSettings, run_bench, summary_lines
+    from relay_serve.bench.bench import (
+        PROFILES,
+        BenchSettings,
+        run_bench,
+        summary_lines,
+    )
     from relay_serve.eval.datasets import DatasetError, load_problems
 
     try:
@@ -595,10 +600,10 @@ def cues_converge(
     import ray
     from ray import serve
 
-    from relay_serve.bench import online
-    from relay_serve.config import AppConfig
-    from relay_serve.cluster import free_port
     from relay_serve.app.local import start
+    from relay_serve.bench import online
+    from relay_serve.cluster import free_port
+    from relay_serve.config import AppConfig
 
     store = (Path(tempfile.mkdtemp(prefix="relay-converge-store-")) / "cues").as_uri()
     cfg = online.online_config(AppConfig(), store, sample_rate=sample_rate, explore_rate=explore_rate,
@@ -641,10 +646,10 @@ def cues_cost(
     import ray
     from ray import serve
 
-    from relay_serve.bench import online
-    from relay_serve.config import AppConfig, OnlineCalibration
     from relay_serve.app.builder import build_app
+    from relay_serve.bench import online
     from relay_serve.cluster import free_port, init_ray
+    from relay_serve.config import AppConfig, OnlineCalibration
 
     defaults = OnlineCalibration()
     settings = {"off": None, "on (defaults)": (defaults.sample_rate, defaults.explore_rate), "on (every generation)": (1.0, defaults.explore_rate)}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from relay_serve.engine import vllm_engine
 from relay_serve.cluster import free_port
+from relay_serve.engine import vllm_engine
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -34,8 +34,8 @@ def ray_cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def relay_app(ray_cluster):
     """The default app (toy pair, session affinity) on a free port; yields its base URL."""
-    from relay_serve.config import AppConfig
     from relay_serve.app.local import start
+    from relay_serve.config import AppConfig
 
     url = start(AppConfig(), host="127.0.0.1", port=free_port())
     yield url

@@ -12,7 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from relay_serve.jobs.batch import ERRORS_FILE, BatchSettings, Output, run_batch, run_batch_async
+from relay_serve.jobs.batch import (
+    ERRORS_FILE,
+    BatchSettings,
+    Output,
+    run_batch,
+    run_batch_async,
+)
 
 
 def fake_response(body: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,8 @@ import asyncio
 import json
 import time
 
-from relay_serve.config import AppConfig
 from relay_serve.client import chat_body, http_client
+from relay_serve.config import AppConfig
 
 
 def affinity_figures(responses: list[dict]) -> dict:

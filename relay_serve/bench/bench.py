@@ -36,7 +36,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
-from relay_serve.bench.report import SPEC, BenchReport, PairInfo, RunMetrics, SpecStats, level_report, run_metrics
+from relay_serve.bench.report import (
+    SPEC,
+    BenchReport,
+    PairInfo,
+    RunMetrics,
+    SpecStats,
+    level_report,
+    run_metrics,
+)
 from relay_serve.client import RequestFailed, chat_body, http_client, post_chat
 from relay_serve.config import AppConfig
 from relay_serve.eval.datasets import Problem
@@ -260,9 +268,9 @@ def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[
     ``relay+spec``), and vLLM's own server."""
     from ray import serve
 
+    from relay_serve.app.local import start
     from relay_serve.bench.vllm_baseline import VLLMServer
     from relay_serve.cluster import free_port
-    from relay_serve.app.local import start
 
     base = start(cfg, port=port)
     found = {mode: Target(base=base, model=mode) for mode in MODES}
@@ -340,8 +348,8 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
 
     from relay_serve.bench.render import markdown, plots
     from relay_serve.client import api_headers
-    from relay_serve.eval.datasets import load_problems
     from relay_serve.cluster import free_port, init_ray
+    from relay_serve.eval.datasets import load_problems
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M")

@@ -59,8 +59,7 @@ class HandoffReport(BaseModel):
 async def _measure(model: str, trials: int, small_tokens: int, stretch: int = 40) -> tuple[float, dict[str, list[tuple[float, int]]]]:
     from relay_serve.config import ModelSettings
     from relay_serve.engine.vllm_engine import VLLMEngine
-    from relay_serve.relay.types import SamplingSettings, SegmentRequest
-
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.world import ToyWorld
 

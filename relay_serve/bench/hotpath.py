@@ -50,8 +50,8 @@ from pydantic import BaseModel
 
 from relay_serve.config import CueSettings
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
+from relay_serve.protocol import EngineChunk, SamplingSettings, SegmentRequest
 from relay_serve.relay.detok import TokenStream
-from relay_serve.relay.types import EngineChunk, SamplingSettings, SegmentRequest
 
 CUES = tuple(CueSettings.model_fields["default_cues"].default_factory())  # the service's default cue set, which the bench serves with
 
@@ -280,8 +280,8 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
 def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
     import httpx
 
-    from relay_serve.router.backend import ServeBackend
     from relay_serve.replica.model_server import ModelServer
+    from relay_serve.router.backend import ServeBackend
     from relay_serve.router.ingress import RelayRouter
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer

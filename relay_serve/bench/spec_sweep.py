@@ -126,9 +126,9 @@ def _accepted(engine) -> tuple[float, float]:
 
 def sweep_k(model: str, draft: str, k: int, batches: list[int], prompts: list[list[int]], answers: list[str], max_tokens: int,
             sampled: bool, reference: dict[int, list[str]] | None) -> tuple[DraftLength, dict[int, list[str]]]:  # fmt: skip
+    from relay_serve.config import ModelSettings
     from relay_serve.eval.grading import is_correct
     from relay_serve.tokenizer import load_codec
-    from relay_serve.config import ModelSettings
 
     codec = load_codec(ModelSettings(model=model).tokenizer_path)
     texts: dict[int, list[str]] = {}
@@ -174,8 +174,8 @@ async def resumable_probe(model: str, draft: str, k: int) -> str:
     from relay_serve.engine.session import EngineSession
     from relay_serve.engine.stops import PauseTokens
     from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.relay.text import SENTENCE_STOPS
-    from relay_serve.relay.types import SamplingSettings, SegmentRequest
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.world import ToyWorld
 

@@ -16,8 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from relay_serve.protocol import (
+    EngineChunk,
+    EngineTraits,
+    SamplingSettings,
+    SegmentRequest,
+)
 from relay_serve.relay.detok import TokenStream, WindowStream
-from relay_serve.relay.types import EngineChunk, EngineTraits, SamplingSettings, SegmentRequest
 
 
 class SpecDecodeCounts(BaseModel):

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Callable
 
 from relay_serve.engine.base import Engine, ResumableRequest
 from relay_serve.engine.stops import PauseTokens, first_stop, lookahead_stops
+from relay_serve.protocol import ContextGap, EngineChunk, SegmentRequest
 from relay_serve.relay.detok import WINDOW
-from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest
 
 
 class EngineSession:

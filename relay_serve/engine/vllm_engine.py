@@ -7,9 +7,21 @@ import logging
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
-from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest, SpecDecodeCounts
+from relay_serve.engine.base import (
+    ChunkOutput,
+    Engine,
+    EngineInfo,
+    ResumableRequest,
+    SpecDecodeCounts,
+)
 from relay_serve.engine.stops import PauseIds
-from relay_serve.relay.types import EngineChunk, EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
+from relay_serve.protocol import (
+    EngineChunk,
+    EngineTraits,
+    InvalidRequest,
+    SamplingSettings,
+    SegmentRequest,
+)
 from relay_serve.relay.detok import TokenStream
 from relay_serve.tokenizer import token_stream, tokenizer_fingerprint
 

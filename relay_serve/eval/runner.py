@@ -16,10 +16,16 @@ from pathlib import Path
 import httpx
 from pydantic import BaseModel, Field, model_validator
 
+from relay_serve.client import RequestFailed, chat_body, http_client, post_chat
 from relay_serve.config import PaperSampling
 from relay_serve.eval.datasets import Problem, load_problems
-from relay_serve.eval.grading import THINK_CLOSE, answer_part, extracted, is_correct, same_answer
-from relay_serve.client import RequestFailed, chat_body, http_client, post_chat
+from relay_serve.eval.grading import (
+    THINK_CLOSE,
+    answer_part,
+    extracted,
+    is_correct,
+    same_answer,
+)
 
 
 class EvalSettings(PaperSampling):
@@ -62,9 +68,9 @@ def service(url: str | None) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from relay_serve.config import AppConfig
-    from relay_serve.cluster import free_port
     from relay_serve.app.local import start
+    from relay_serve.cluster import free_port
+    from relay_serve.config import AppConfig
 
     base = start(AppConfig(), port=free_port())
     try:
@@ -193,8 +199,8 @@ class AgreementSummary(BaseModel):
 async def _agreement(base: str, problems: list[Problem], s: EvalSettings, sink, progress: bool) -> list[dict]:
     from tqdm import tqdm
 
-    from relay_serve.tokenizer import load_codec
     from relay_serve.config import AppConfig
+    from relay_serve.tokenizer import load_codec
 
     sem = asyncio.Semaphore(s.concurrency)
     bar = tqdm(total=len(problems), desc="answer agreement", disable=not progress)

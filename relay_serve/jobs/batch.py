@@ -430,9 +430,9 @@ def router_handle(cfg: AppConfig | None = None):
     embedded toy app) started here when no such app runs."""
     from ray import serve
 
-    from relay_serve.config import AppConfig
-    from relay_serve.cluster import init_ray
     from relay_serve.app.local import start
+    from relay_serve.cluster import init_ray
+    from relay_serve.config import AppConfig
 
     cfg = cfg or AppConfig()
     init_ray(cfg.env_vars)

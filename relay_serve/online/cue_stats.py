@@ -23,9 +23,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from relay_serve.config import AppConfig, OnlineCalibration
 from relay_serve.calibration.cues import CalibrationData, CueSet, ModelPair, Provenance
 from relay_serve.calibration.store import CueStore, PublishConflict
+from relay_serve.config import AppConfig, OnlineCalibration
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import bisect
 import sys
 from dataclasses import dataclass
 
-from relay_serve.relay.types import ModelRole, TextCodec, TraceSegment
+from relay_serve.protocol import ModelRole
+from relay_serve.relay.types import TextCodec, TraceSegment
 
 
 @dataclass

@@ -11,10 +11,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relay_serve.protocol import ModelRole
 from relay_serve.relay.auto import AutoSettings
-from relay_serve.relay.session import Policy, SegmentOutcome, Session, SmallModelUnavailable
-from relay_serve.relay.text import SENTENCE_STOPS, THINK_CLOSE, cue_stop_strings, find_cue
-from relay_serve.relay.types import ModelRole
+from relay_serve.relay.session import (
+    Policy,
+    SegmentOutcome,
+    Session,
+    SmallModelUnavailable,
+)
+from relay_serve.relay.text import (
+    SENTENCE_STOPS,
+    THINK_CLOSE,
+    cue_stop_strings,
+    find_cue,
+)
 
 PolicyName = Literal["relay", "large", "small", "speculative-thinking"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("relay", "large", "small", "speculative-thinking")

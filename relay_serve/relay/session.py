@@ -16,22 +16,24 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relay_serve.protocol import (
+    EngineChunk,
+    FinishReason,
+    InvalidRequest,
+    ModelRole,
+    SamplingSettings,
+    SegmentRequest,
+    Streaming,
+)
 from relay_serve.relay.detok import window_text
 from relay_serve.relay.output import Output
 from relay_serve.relay.text import sentence_end
 from relay_serve.relay.types import (
     Backend,
-    EngineChunk,
     EngineRequestRecord,
-    FinishReason,
-    Handoff,
     GenerationResult,
-    InvalidRequest,
-    ModelRole,
+    Handoff,
     RelayUsage,
-    SamplingSettings,
-    SegmentRequest,
-    Streaming,
     TextCodec,
     TextDelta,
 )

@@ -1,162 +1,28 @@
-"""The vocabulary the relay core speaks: segment requests, engine chunks, the backend interface,
-and what a finished generation reports. Knows nothing of Ray or vLLM."""
+"""The relay core's own vocabulary: the backend interface it runs segments through, and what a
+finished generation reports (its trace and usage, which the API's ``usage.relay`` carries). The
+messages a segment is made of are the wire protocol's (``relay_serve/protocol.py``). Knows nothing
+of Ray or vLLM."""
 
 from __future__ import annotations
 
-import sys
 from abc import ABC, abstractmethod
-from array import array
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import BaseModel, Field
+
+from relay_serve.protocol import (
+    EngineChunk,
+    EngineTraits,
+    FinishReason,
+    ModelIdentity,
+    ModelRole,
+    SegmentRequest,
+    Streaming,
+)
 
 if TYPE_CHECKING:
     from relay_serve.relay.detok import TokenStream
-
-ModelRole = Literal["large", "small"]
-Streaming = bool | Literal["first"]  # "first": the first token at once, the rest in one piece
-FinishReason = Literal["stop", "length", "abort"]
-
-
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as 4-byte little-endian unsigned integers: what a context crosses the segment
-    channel as. A 32k-token context packs in about 0.2 ms and unpacks in 0.4 ms (one list of
-    ints, no per-item checks), where a msgpack list and pydantic's check of it cost 1.2 ms."""
-    packed = array("I", token_ids)
-    if packed.itemsize != 4:  # never on the platforms vLLM runs on; exact anyway
-        return np.asarray(token_ids, dtype="<u4").tobytes()
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def _token_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> list[int]:
-    """A list of token ids, or the same packed (:func:`pack_token_ids`): every 4 bytes are one id."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        if len(value) % 4:
-            raise ValueError(f"packed token ids are 4 bytes each; got {len(value)} bytes")
-        return np.frombuffer(value, dtype="<u4").tolist()
-    return handler(value)
-
-
-TokenIds = Annotated[list[int], WrapValidator(_token_ids)]
-
-
-class SamplingSettings(BaseModel):
-    """Sampling settings of one generation; every segment uses them (with a derived seed)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-
-    def for_segment(self, index: int) -> SamplingSettings:
-        """The settings of the ``index``-th engine request: the first samples with the request's own
-        seed (a one-model request then writes what the engine alone writes for that seed); each later
-        one with a seed derived from both."""
-        if self.seed is None or index == 0:
-            return self
-        return self.model_copy(update={"seed": (self.seed * 1_000_003 + index) % (2**31 - 1)})
-
-
-class InvalidRequest(ValueError):
-    """A request that a model's engine refuses as invalid (the client's fault, HTTP 400 naming
-    ``param``): never retried, never counted as an engine failure."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
-
-
-class ContextGap(RuntimeError):
-    """A segment that continues a context from ``context_base`` reached a replica whose session
-    does not hold that much of it (the session ended, the replica restarted): the sender sends the
-    whole context again."""
-
-
-class EngineTraits(BaseModel):
-    """What the router must know of a model's engine before it sends it a request, as the model's
-    replicas report it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    speculative: str | None = Field(None, description="the engine's speculative decoding, e.g. 'draft_model k=8' (None: none)")
-    greedy_only: str | None = Field(
-        None, description="why the engine runs only greedy sampling (temperature 0) correctly; None: any sampling"
-    )
-
-    def check(self, model: ModelRole, sampling: SamplingSettings) -> None:
-        """Raise :class:`InvalidRequest` (naming ``temperature``) for sampling this engine would run wrongly."""
-        if self.greedy_only is not None and sampling.temperature > 0:
-            raise InvalidRequest(
-                f"temperature={sampling.temperature:g}: the {model} model's engine runs only greedy sampling correctly "
-                f"({self.greedy_only}); send temperature 0",
-                param="temperature",
-            )
-
-
-class SegmentRequest(BaseModel):
-    """One engine request: continue ``prompt_token_ids`` until a stop string, EOS or ``max_tokens``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelRole
-    prompt_token_ids: TokenIds = Field(description="a list, or packed as bytes (4 little-endian bytes an id: the channel's form)")
-    max_tokens: int = Field(ge=1)
-    stop: list[str] = Field(default_factory=list)
-    word_stops: list[str] = Field(
-        default_factory=list,
-        description="those of stop that count only at a word start (cues); an engine that cannot tell stops at any match",
-    )
-    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
-    resume: bool = Field(
-        False, description="continue the generation's resumable engine request on this replica (its KV kept between segments)"
-    )
-    session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
-    unchanged: int = Field(
-        0,
-        ge=0,
-        description="the router's own: the first `unchanged` context tokens are those this model's previous request of the "
-        "generation had, followed by the output it got back; a transport that reaches the same session leaves them out",
-    )
-    context_base: int = Field(
-        0,
-        ge=0,
-        description="on the wire: the context is the first `context_base` tokens the replica's session holds for this "
-        "generation, then prompt_token_ids (a resumable segment sends only what is new; ContextGap when it lacks them)",
-    )
-
-
-class EngineChunk(BaseModel):
-    """A streamed piece of an engine request's output. The last chunk has ``finished`` set."""
-
-    token_ids: list[int] = Field(default_factory=list, description="tokens new in this chunk")
-    text: str = Field(default="", description="the engine's own text for them (stop-truncated; the relay decodes ids itself)")
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = Field(default=None, description="the stop string that matched, if any")
-    cached_tokens: int = Field(default=0, description="prompt tokens served from the prefix cache")
-    replica_id: str | None = None
-    engine_s: float | None = Field(default=None, description="seconds the request spent inside the replica")
-    ttft_s: float | None = Field(default=None, description="seconds from the engine's receipt of the request to its first token")
-    decode_s: float | None = Field(default=None, description="seconds of decode steps inside the engine (after a first token)")
-    decode_steps: int | None = Field(default=None, description="the decode steps decode_s covers (output tokens - 1 for a plain request)")
-    pauses: int = Field(default=0, description="times a resumable request paused on a possible stop that was none")
-
-
-class ModelIdentity(BaseModel):
-    """What a model deployment says of itself, so that the router reads no model files: its
-    fingerprint (of its weights and config, not of the path or hub id they came from), its
-    tokenizer (as files) and its engine's context length."""
-
-    model_fingerprint: str
-    tokenizer_fingerprint: str
-    max_model_len: int = Field(gt=0)
-    tokenizer_files: dict[str, bytes] = Field(default_factory=dict, repr=False, description="empty unless asked for")
 
 
 class Backend(ABC):

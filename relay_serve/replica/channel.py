@@ -12,8 +12,15 @@ import secrets
 from collections.abc import AsyncIterator, Hashable
 from typing import Any, Protocol
 
-from relay_serve.protocol import HELLO_TIMEOUT_S, MAX_HELLO_BYTES, no_delay, pack, read_message
-from relay_serve.relay.types import ContextGap, InvalidRequest
+from relay_serve.protocol import (
+    HELLO_TIMEOUT_S,
+    MAX_HELLO_BYTES,
+    ContextGap,
+    InvalidRequest,
+    no_delay,
+    pack,
+    read_message,
+)
 
 log = logging.getLogger(__name__)
 

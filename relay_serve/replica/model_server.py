@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from relay_serve.calibration.cues import model_fingerprint
+from relay_serve.cluster import node_id, node_ip
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens
-from relay_serve.relay.types import ContextGap, EngineChunk, SegmentRequest, Streaming
-from relay_serve.replica.load import ENGINE_LOAD
+from relay_serve.protocol import ContextGap, EngineChunk, SegmentRequest, Streaming
 from relay_serve.replica.channel import SegmentServer
-from relay_serve.cluster import node_id, node_ip
+from relay_serve.replica.load import ENGINE_LOAD
 
 log = logging.getLogger(__name__)
 

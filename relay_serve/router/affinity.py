@@ -17,7 +17,12 @@ import threading
 import time
 from collections import OrderedDict
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from relay_serve.router import affinity_registry as registry
 

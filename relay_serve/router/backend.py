@@ -17,20 +17,20 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import (
-    Backend,
+from relay_serve.protocol import (
     ContextGap,
     EngineChunk,
     EngineTraits,
     InvalidRequest,
     ModelIdentity,
     ModelRole,
+    RemoteError,
     SegmentRequest,
     Streaming,
 )
+from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.types import Backend
 from relay_serve.router.calls import own_request
-from relay_serve.protocol import RemoteError
 from relay_serve.router.transport import DirectTransport, HandleTransport
 
 log = logging.getLogger(__name__)

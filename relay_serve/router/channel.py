@@ -9,8 +9,16 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from relay_serve.protocol import MAX_PENDING_CHUNKS, ChannelError, RemoteError, no_delay, pack, read_message
-from relay_serve.relay.types import ContextGap, InvalidRequest
+from relay_serve.protocol import (
+    MAX_PENDING_CHUNKS,
+    ChannelError,
+    ContextGap,
+    InvalidRequest,
+    RemoteError,
+    no_delay,
+    pack,
+    read_message,
+)
 
 log = logging.getLogger(__name__)
 

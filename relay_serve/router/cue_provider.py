@@ -8,9 +8,9 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from relay_serve.config import AppConfig
 from relay_serve.calibration.cues import DEFAULT_VERSION, ActiveCues
 from relay_serve.calibration.store import CueStore
+from relay_serve.config import AppConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_serve.config import AppConfig
+from relay_serve.protocol import InvalidRequest, ModelRole, SamplingSettings
 from relay_serve.relay.auto import AutoChooser, LoadClock, Mark
 from relay_serve.relay.policy import MODEL_IDS, make_policy
-from relay_serve.relay.session import EngineError, Policy, Session, SmallModelUnavailable
-from relay_serve.relay.types import Backend, GenerationResult, InvalidRequest, ModelRole, SamplingSettings
+from relay_serve.relay.session import (
+    EngineError,
+    Policy,
+    Session,
+    SmallModelUnavailable,
+)
+from relay_serve.relay.types import Backend, GenerationResult
 from relay_serve.router.cue_provider import CueProvider
 from relay_serve.router.metrics import RouterMetrics
-from relay_serve.router.shadow import ShadowScorer
-from relay_serve.router.startup import PairRefused, PairStartup, ServedPair
 from relay_serve.router.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
@@ -34,6 +38,8 @@ from relay_serve.router.openai_api import (
     new_id,
     now,
 )
+from relay_serve.router.shadow import ShadowScorer
+from relay_serve.router.startup import PairRefused, PairStartup, ServedPair
 from relay_serve.tokenizer import Codec
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from relay_serve.router.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ServerError, error_body
+from relay_serve.router.openai_api import (
+    ChatCompletionRequest,
+    ClientError,
+    CompletionRequest,
+    ServerError,
+    error_body,
+)
 
 if TYPE_CHECKING:
     from relay_serve.router.ingress import RelayRouter

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from relay_serve.cluster import node_id
 from relay_serve.config import AppConfig
 from relay_serve.relay.policy import MODEL_IDS
 from relay_serve.relay.types import Backend
@@ -25,10 +26,16 @@ from relay_serve.router.cue_provider import CueProvider
 from relay_serve.router.generations import Generations
 from relay_serve.router.http import RequestModel, build_api, read_request, validate
 from relay_serve.router.metrics import RouterMetrics
-from relay_serve.cluster import node_id
+from relay_serve.router.openai_api import (
+    ChatCompletionRequest,
+    ClientError,
+    CompletionRequest,
+    ModelCard,
+    ServerError,
+    now,
+)
 from relay_serve.router.shadow import ShadowScorer
 from relay_serve.router.startup import PairStartup
-from relay_serve.router.openai_api import ChatCompletionRequest, ClientError, CompletionRequest, ModelCard, ServerError, now
 from relay_serve.router.streaming import events
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from datetime import datetime
 from types import ModuleType
 from typing import Any
 
-from relay_serve.relay.types import GenerationResult, ModelRole
+from relay_serve.protocol import ModelRole
+from relay_serve.relay.types import GenerationResult
 
 log = logging.getLogger(__name__)
 

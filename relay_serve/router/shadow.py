@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.config import AppConfig
 from relay_serve.calibration.cues import ModelPair
+from relay_serve.config import AppConfig
 from relay_serve.tokenizer import Codec
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.config import AppConfig
 from relay_serve.calibration.cues import combine_fingerprints
-from relay_serve.relay.types import Backend, ModelIdentity, ModelRole
+from relay_serve.config import AppConfig
+from relay_serve.protocol import ModelIdentity, ModelRole
+from relay_serve.relay.types import Backend
 from relay_serve.tokenizer import Codec, check_marker, check_shared
 
 log = logging.getLogger(__name__)

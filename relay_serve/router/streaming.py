@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from relay_serve.relay.types import GenerationResult, TextDelta
-from relay_serve.router.generations import CLIENT_GONE, Generation, Generations, failure, usage
+from relay_serve.router.generations import (
+    CLIENT_GONE,
+    Generation,
+    Generations,
+    failure,
+    usage,
+)
 from relay_serve.router.openai_api import error_body, new_id, now
 
 

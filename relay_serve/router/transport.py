@@ -27,9 +27,18 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from relay_serve.relay.types import ContextGap, EngineChunk, InvalidRequest, ModelRole, SegmentRequest, Streaming, pack_token_ids
+from relay_serve.protocol import (
+    ChannelError,
+    ContextGap,
+    EngineChunk,
+    InvalidRequest,
+    ModelRole,
+    RemoteError,
+    SegmentRequest,
+    Streaming,
+    pack_token_ids,
+)
 from relay_serve.router.calls import own_request
-from relay_serve.protocol import ChannelError, RemoteError
 from relay_serve.router.channel import ChannelPool
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,14 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(world: ToyWorld, out_dir: Path = TOKENIZER_DIR) -> Path:
     """Train the BPE on the world's corpus and save a transformers fast tokenizer in ``out_dir``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

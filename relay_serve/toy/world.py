@@ -18,12 +18,12 @@ This module knows nothing of tokenizers, models or serving.
 
 from __future__ import annotations
 
-from relay_serve.relay.text import THINK_CLOSE, THINK_OPEN  # noqa: F401 - re-exported for the toy modules
-
 import hashlib
 import random
 from dataclasses import dataclass
 from functools import cached_property
+
+from relay_serve.relay.text import THINK_CLOSE, THINK_OPEN  # noqa: F401 - re-exported for the toy modules
 
 HOP_WORDS = {3: "three", 4: "four", 5: "five", 6: "six"}
 HARD_CUES = ("First,", "Next,", "Now,")

@@ -9,7 +9,13 @@ import math
 
 import pytest
 
-from relay_serve.bench.report import BenchReport, PairInfo, level_report, pct, run_metrics
+from relay_serve.bench.report import (
+    BenchReport,
+    PairInfo,
+    level_report,
+    pct,
+    run_metrics,
+)
 from relay_serve.bench.vllm_baseline import engine_cli_args
 
 
@@ -166,8 +172,8 @@ def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
     from relay_serve.bench.bench import fire
     from relay_serve.bench.vllm_baseline import VLLMServer
     from relay_serve.client import chat_body
-    from relay_serve.config import AppConfig
     from relay_serve.cluster import free_port
+    from relay_serve.config import AppConfig
 
     body = dict(max_tokens=200, temperature=0.8, top_p=0.95, top_k=20)
     prompts = ["Start at b3. Follow the map four times.", "Start at k11. Follow the map five times."]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+from relay_serve.calibration.store import CueStore
 from relay_serve.config import AppConfig
 from relay_serve.router.cue_provider import CueProvider
-from relay_serve.calibration.store import CueStore
 from tests.calibration.test_store import make_set
 
 

@@ -1,8 +1,8 @@
 import pytest
 
 from relay_serve.calibration.candidates import default_candidates
-from relay_serve.calibration.select import cue_stats, select_cues
 from relay_serve.calibration.cues import SelectionRule
+from relay_serve.calibration.select import cue_stats, select_cues
 from relay_serve.toy.world import EASY_CUES, HARD_CUES
 
 

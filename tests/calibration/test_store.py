@@ -9,8 +9,19 @@ from datetime import datetime, timezone
 
 import pytest
 
-from relay_serve.calibration.cues import CalibrationData, CueSet, CueStats, ModelPair, SelectionRule
-from relay_serve.calibration.store import CorruptCueSet, CueStore, StoreError, check_version
+from relay_serve.calibration.cues import (
+    CalibrationData,
+    CueSet,
+    CueStats,
+    ModelPair,
+    SelectionRule,
+)
+from relay_serve.calibration.store import (
+    CorruptCueSet,
+    CueStore,
+    StoreError,
+    check_version,
+)
 from tests.conftest import free_port
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from relay_serve.engine.session import EngineSession
 from relay_serve.engine.stops import PauseTokens, first_stop, lookahead_stops
-from relay_serve.relay.types import SegmentRequest
+from relay_serve.protocol import SegmentRequest
 from tests.fakes import FakeCodec, FakeResumableEngine
 
 PROMPT = "<think>\n"
@@ -216,7 +216,7 @@ def test_a_segment_that_sends_only_what_is_new_gets_what_the_whole_context_gets(
 
 
 def test_a_segment_that_continues_more_than_the_session_holds_is_a_context_gap():
-    from relay_serve.relay.types import ContextGap
+    from relay_serve.protocol import ContextGap
 
     codec, engine, session = setup()
     first = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,"])))[-1]

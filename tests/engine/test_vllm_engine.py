@@ -27,7 +27,7 @@ def test_large_is_accurate_and_small_is_not_on_a_quick_check():
 def test_async_engine_streams_stops_and_scores():
     from relay_serve.config import resolve_model
     from relay_serve.engine.vllm_engine import VLLMEngine
-    from relay_serve.relay.types import SamplingSettings, SegmentRequest
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.tokenizer import load_codec
 
     path = resolve_model("toy:large")
@@ -67,8 +67,8 @@ def test_resumable_requests_give_what_plain_requests_give():
     from relay_serve.engine.session import EngineSession
     from relay_serve.engine.stops import PauseTokens
     from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.relay.text import SENTENCE_STOPS
-    from relay_serve.relay.types import SamplingSettings, SegmentRequest
     from relay_serve.tokenizer import load_codec
 
     path = resolve_model("toy:large")
@@ -110,8 +110,8 @@ def test_a_speculative_engine_stops_where_the_plain_engine_stops():
     and stop reason, its text ends with the stop string, and the engine counts its drafts."""
     from relay_serve.config import resolve_model
     from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.relay.text import SENTENCE_STOPS
-    from relay_serve.relay.types import SamplingSettings, SegmentRequest
     from relay_serve.tokenizer import load_codec
     from relay_serve.toy.world import ToyWorld
 

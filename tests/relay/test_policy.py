@@ -8,9 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay_serve.relay.policy import PolicySettings, RelayGen, SingleModel, SpeculativeThinking
+from relay_serve.protocol import EngineChunk, SamplingSettings
+from relay_serve.relay.policy import (
+    PolicySettings,
+    RelayGen,
+    SingleModel,
+    SpeculativeThinking,
+)
 from relay_serve.relay.session import EngineError, Session
-from relay_serve.relay.types import EngineChunk, GenerationResult, SamplingSettings, TextDelta
+from relay_serve.relay.types import GenerationResult, TextDelta
 from tests.fakes import FakeBackend, FakeCodec, follow
 
 PROMPT = "Start at b3.\n"

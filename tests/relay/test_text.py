@@ -1,4 +1,10 @@
-from relay_serve.relay.text import SENTENCE_STOPS, cue_stop_strings, find_all_cues, find_cue, sentence_end
+from relay_serve.relay.text import (
+    SENTENCE_STOPS,
+    cue_stop_strings,
+    find_all_cues,
+    find_cue,
+    sentence_end,
+)
 
 
 def test_cues_match_only_at_word_boundaries():

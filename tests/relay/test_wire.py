@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from relay_serve.relay.types import SegmentRequest, pack_token_ids
+from relay_serve.protocol import SegmentRequest, pack_token_ids
 
 IDS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=300)
 

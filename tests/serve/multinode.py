@@ -85,10 +85,10 @@ def main() -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from relay_serve.config import default_cpu_engine_env
-    from relay_serve.eval.datasets import load_problems
     from relay_serve.app.builder import build_app
     from relay_serve.cluster import free_port
+    from relay_serve.config import default_cpu_engine_env
+    from relay_serve.eval.datasets import load_problems
 
     os.environ.update(default_cpu_engine_env())  # the raylets (and so every worker) start with it
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -62,8 +62,8 @@ def test_relay_hands_work_to_the_small_model(client):
 
 @pytest.mark.parametrize("model", ["relay", "large"])
 def test_completions_streamed_and_not(client, model):
-    from relay_serve.tokenizer import load_codec
     from relay_serve.config import AppConfig
+    from relay_serve.tokenizer import load_codec
 
     codec = load_codec(AppConfig().large.tokenizer_path)
     prompt = codec.render_chat([{"role": "user", "content": PROMPT}])
@@ -102,9 +102,9 @@ def test_running_router_picks_up_a_newly_published_cue_set(client, relay_app):
 
     import httpx
 
-    from relay_serve.config import AppConfig
     from relay_serve.calibration.cues import pair_fingerprint
     from relay_serve.calibration.store import CueStore
+    from relay_serve.config import AppConfig
     from tests.calibration.test_store import make_set
 
     cfg = AppConfig()
@@ -180,8 +180,8 @@ def test_a_router_that_cannot_read_the_model_files_starts_and_serves(relay_app):
     import httpx
     from ray import serve
 
-    from relay_serve.config import AppConfig
     from relay_serve.calibration.cues import pair_fingerprint
+    from relay_serve.config import AppConfig
     from relay_serve.router.ingress import RelayRouter
 
     cfg = AppConfig()

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
+from relay_serve.protocol import EngineChunk, SegmentRequest
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import EngineChunk, SegmentRequest
 from relay_serve.router.backend import ServeBackend
 
 

@@ -14,10 +14,10 @@ import asyncio
 import pytest
 from ray.serve import context as serve_context
 
-from relay_serve.relay.types import EngineChunk, EngineTraits, SegmentRequest
+from relay_serve.protocol import EngineChunk, EngineTraits, SegmentRequest
+from relay_serve.replica.model_server import ModelServer
 from relay_serve.router.backend import ServeBackend
 from relay_serve.router.calls import own_request
-from relay_serve.replica.model_server import ModelServer
 from tests.serve.test_transport import FakeEngine, LeaseCall
 
 PARENT = "the-clients-request"

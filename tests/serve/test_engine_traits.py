@@ -13,11 +13,16 @@ import pytest
 
 from relay_serve.engine.base import EngineInfo
 from relay_serve.engine.vllm_engine import speculative_traits
-from relay_serve.relay.types import EngineTraits, InvalidRequest, SamplingSettings, SegmentRequest
+from relay_serve.protocol import (
+    EngineTraits,
+    InvalidRequest,
+    SamplingSettings,
+    SegmentRequest,
+)
 from relay_serve.replica.model_server import ModelServer
+from relay_serve.router.backend import ServeBackend
 from tests.serve.test_router import call, chat, make_router
 from tests.serve.test_transport import FakeEngine, FakeHandle
-from relay_serve.router.backend import ServeBackend
 
 GREEDY_ONLY = EngineTraits(speculative="draft_model k=8", greedy_only="speculative decoding on vLLM-CPU")
 

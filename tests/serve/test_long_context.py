@@ -19,8 +19,8 @@ CONTEXT = 6144
 def long_url(relay_app):
     from ray import serve
 
-    from relay_serve.config import AppConfig
     from relay_serve.app.builder import build_app
+    from relay_serve.config import AppConfig
 
     cfg = AppConfig(name="long", route_prefix="/long")
     # the toy models were trained on contexts under 1,024 tokens; vLLM checks max_model_len against

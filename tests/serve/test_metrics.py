@@ -8,8 +8,8 @@ import asyncio
 import json
 from collections import defaultdict
 
-from relay_serve.router.metrics import RouterMetrics
 from relay_serve.router.ingress import RelayRouter
+from relay_serve.router.metrics import RouterMetrics
 from tests.serve.test_router import call, chat, make_router
 
 

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
+from relay_serve.calibration.cues import model_pair
+from relay_serve.calibration.store import CueStore
 from relay_serve.config import AppConfig
 from relay_serve.online.cue_stats import CueStatistics, CueStatsActor, reselect
-from relay_serve.calibration.cues import model_pair
 from relay_serve.router.shadow import ShadowScorer
-from relay_serve.calibration.store import CueStore
 from relay_serve.tokenizer import load_codec
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.calibration.test_store import make_set
@@ -121,8 +121,8 @@ def stats_with(by_cue: dict[str, list[float]], overall: float, n_tokens: int = 1
 
 
 def test_reselection_publishes_only_a_changed_selection_under_the_rule():
-    from relay_serve.config import OnlineCalibration
     from relay_serve.calibration.cues import ModelPair
+    from relay_serve.config import OnlineCalibration
 
     online = OnlineCalibration(enabled=True, min_occurrences=5)
     pair = ModelPair(large="l", small="s", fingerprint="fp")

@@ -37,12 +37,18 @@ def online_url(relay_app, tmp_path_factory):
 
 
 def test_hard_cues_are_corrected_online_without_an_operator(online_url):
-    from relay_serve.bench.online import START_CUES, TARGET_CUES, converge, final_pass_at_1, summarize
-    from relay_serve.calibration.store import CueStore
-
     import time
 
     import httpx
+
+    from relay_serve.bench.online import (
+        START_CUES,
+        TARGET_CUES,
+        converge,
+        final_pass_at_1,
+        summarize,
+    )
+    from relay_serve.calibration.store import CueStore
 
     url, cfg = online_url
     deadline = time.time() + 30

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 def test_health_is_503_while_the_models_start_and_200_once_a_request_is_quick(relay_app):
     from ray import serve
 
-    from relay_serve.config import AppConfig
     from relay_serve.app.builder import build_app
+    from relay_serve.config import AppConfig
 
     cfg = AppConfig(name="fresh", route_prefix="/fresh")
     for d in (cfg.large.deployment, cfg.small.deployment, cfg.router.deployment):

@@ -20,9 +20,9 @@ PAPER = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 def spec_app(relay_app):
     from ray import serve
 
+    from relay_serve.app.local import start
     from relay_serve.bench.bench import spec_app as speculative
     from relay_serve.config import AppConfig
-    from relay_serve.app.local import start
 
     port = int(relay_app.rsplit(":", 1)[1])
     cfg = speculative(AppConfig(), 4, [(1, 8, 4), (9, 1 << 16, 0)])
@@ -52,7 +52,7 @@ def test_sampling_a_speculative_engine_cannot_run_is_refused_and_the_replica_liv
     # a segment sent to the replica directly, past any router: refused there, the engine untouched
     from ray import serve
 
-    from relay_serve.relay.types import InvalidRequest
+    from relay_serve.protocol import InvalidRequest
 
     handle = serve.get_deployment_handle("large", app_name="spec")
     segment = {"model": "large", "prompt_token_ids": [1, 2, 3], "max_tokens": 4, "session_id": "direct",

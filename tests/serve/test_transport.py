@@ -11,10 +11,10 @@ import struct
 import pytest
 
 from relay_serve.engine.base import Engine, EngineInfo
+from relay_serve.protocol import EngineChunk, SegmentRequest
 from relay_serve.relay.session import EngineError, SmallModelUnavailable
-from relay_serve.relay.types import EngineChunk, SegmentRequest
-from relay_serve.router.backend import ServeBackend
 from relay_serve.replica.model_server import ModelServer
+from relay_serve.router.backend import ServeBackend
 
 
 class FakeEngine(Engine):
@@ -322,9 +322,9 @@ def scripted(prompt: str, ref: str):
 
 async def relay_over(backend: ServeBackend, codec, prompt: str):
     """One RelayGen generation (cue ``Thus,``) over ``backend``."""
+    from relay_serve.protocol import SamplingSettings
     from relay_serve.relay.policy import PolicySettings, RelayGen
     from relay_serve.relay.session import Session
-    from relay_serve.relay.types import SamplingSettings
 
     s = Session(backend=backend, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
     return await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
@@ -405,9 +405,9 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     """A batch (unstreamed) relay answer that takes 1 s on the small model, with a 0.3 s deadline:
     the deadline bounds its first token, so the small model writes all of it and the deployment
     stays in service."""
+    from relay_serve.protocol import SamplingSettings
     from relay_serve.relay.detok import WindowStream
     from relay_serve.relay.session import Session
-    from relay_serve.relay.types import SamplingSettings
 
     class Numbers:  # decodes the fake engine's token ids (7, 8, 9, ...)
         def encode(self, text):

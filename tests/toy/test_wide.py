@@ -73,8 +73,8 @@ def test_the_model_id_resolves_to_the_generated_folder(tmp_path, monkeypatch):
 @pytest.mark.vllm
 def test_greedy_outputs_are_identical_in_vllm_on_200_heldout_problems(wide_dir):
     from relay_serve.engine.vllm_engine import OfflineEngine
-    from relay_serve.tokenizer import load_codec
     from relay_serve.eval.toy_models import TOY_ENGINE_ARGS
+    from relay_serve.tokenizer import load_codec
     from relay_serve.toy.world import ToyWorld
 
     codec = load_codec(str(wide.SOURCE_DIR))

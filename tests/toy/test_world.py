@@ -3,7 +3,14 @@ import random
 import pytest
 
 from relay_serve.relay.text import find_all_cues
-from relay_serve.toy.world import EASY_CUES, HARD_CUES, THINK_CLOSE, ToyWorld, entity_name, ground_truth_cues
+from relay_serve.toy.world import (
+    EASY_CUES,
+    HARD_CUES,
+    THINK_CLOSE,
+    ToyWorld,
+    entity_name,
+    ground_truth_cues,
+)
 
 
 def test_the_world_is_deterministic_given_its_seed():
