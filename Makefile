@@ -8,16 +8,23 @@ EXTRAS ?= cpu,test
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION ?= 2.13.0+cpu
 
-.PHONY: serve test test-fast install prometheus clean
+.PHONY: serve test test-fast lint install prometheus clean
 
 serve: $(STAMP)
 	$(BIN)/relay-serve serve
 
-test: $(STAMP) prometheus
+test: lint prometheus
 	$(BIN)/python -m pytest
 
+# ruff (lint and format, pyproject.toml's [tool.ruff]) over everything, mypy over the core
+# ([tool.mypy]'s files): what make test and make test-fast run before pytest.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
 # Everything that starts neither Ray nor vLLM (tests/conftest.py fails an unmarked test that does).
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -m "not vllm and not serve and not ray"
 
 # The metrics test runs a real Prometheus: Debian's package, installed where missing (as root, or

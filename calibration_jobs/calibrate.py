@@ -16,7 +16,7 @@ import json
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +42,21 @@ class CalibrationConfig(BaseModel):
 
     app: AppConfig = Field(
         default_factory=AppConfig,
-        description="the pair, its engines and the cue store: inline, or the path of an app config YAML (relative to this file)",
+        description="the pair, its engines and the cue store: inline, or the path of an app config YAML (relative to "
+        "this file)",
     )
-    dataset: str = Field(TOY, description="'toy' (training problems), 'gsm8k', 'math500' or 'jsonl:PATH' of {\"problem\": ...} lines")
+    dataset: str = Field(
+        TOY, description="'toy' (training problems), 'gsm8k', 'math500' or 'jsonl:PATH' of {\"problem\": ...} lines"
+    )
     num_prompts: int = Field(40, ge=1)
     samples_per_prompt: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(512, ge=1)
     seed: int = 0
-    candidates: list[str] | None = Field(None, description="default: the discourse-word pool (relay_serve/calibration/candidates.py)")
+    candidates: list[str] | None = Field(
+        None, description="default: the discourse-word pool (relay_serve/calibration/candidates.py)"
+    )
     rule: SelectionRule = Field(default_factory=SelectionRule)
     workers: int = Field(1, ge=1, description="Ray workers per stage, each holding one engine")
     worker_num_cpus: float | None = Field(None, gt=0.0, description="default: the model deployment's num_cpus")
@@ -109,7 +114,9 @@ class _EngineWorker:
         m = ModelSettings.model_validate(model)
         self.engine = OfflineEngine(m.model_path, m.resolved_engine_args)
 
-    def traces(self, prompts: list[list[int]], k: int, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[int]]:
+    def traces(
+        self, prompts: list[list[int]], k: int, max_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[int]]:
         expanded = [p for p in prompts for _ in range(k)]
         return self.engine.generate(expanded, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
 
@@ -185,7 +192,12 @@ def run(cfg: CalibrationConfig, dry_run: bool = False, progress: bool = True) ->
         times.publish_s = time.time() - t0
         report_json, report_png = f"{report_uri}/report.json", f"{report_uri}/margins.png"
     return CalibrationResult(
-        cue_set=cue_set, times=times, published_uri=published, report_json=str(report_json), report_png=str(report_png), paper_rule_selected=paper_selected
+        cue_set=cue_set,
+        times=times,
+        published_uri=published,
+        report_json=str(report_json),
+        report_png=str(report_png),
+        paper_rule_selected=paper_selected,
     )
 
 
@@ -195,7 +207,9 @@ def _workers(cfg: CalibrationConfig, model: ModelSettings, times: StageTimes) ->
 
     t0 = time.time()
     actor = ray.remote(_EngineWorker)
-    workers = [actor.options(**cfg.actor_options(model)).remote(model.model_dump(mode="json")) for _ in range(cfg.workers)]
+    workers = [
+        actor.options(**cfg.actor_options(model)).remote(model.model_dump(mode="json")) for _ in range(cfg.workers)
+    ]
     ray.get([w.__ray_ready__.remote() for w in workers])
     times.startup_s += time.time() - t0
     return workers
@@ -215,28 +229,37 @@ def _traces(cfg: CalibrationConfig, prompts: list[list[int]], times: StageTimes,
     writers = _workers(cfg, cfg.app.large, times)
     t0 = time.time()
     batches = [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-    calls = [("traces", (b, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed + 1000 * i)) for i, b in enumerate(batches)]
+    calls = [
+        ("traces", (b, cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, cfg.top_p, cfg.seed + 1000 * i))
+        for i, b in enumerate(batches)
+    ]
     traces = [t for part in _run_stage("traces", writers, calls, progress) for t in part]
     times.traces_s = time.time() - t0
     _stop(writers)
     return traces
 
 
-def _scores(cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[int]], times: StageTimes, progress: bool) -> list:
+def _scores(
+    cfg: CalibrationConfig, prompts: list[list[int]], traces: list[list[int]], times: StageTimes, progress: bool
+) -> list:
     """The small model's top-2 log-probabilities at every token of every trace, teacher-forced."""
     scorers = _workers(cfg, cfg.app.small, times)
     t0 = time.time()
     expanded = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
-    seqs = [p + t for p, t in zip(expanded, traces)]
+    seqs = [p + t for p, t in zip(expanded, traces, strict=True)]
     step = cfg.batch_size * cfg.samples_per_prompt
-    calls = [("score", (seqs[i : i + step], [len(p) for p in expanded[i : i + step]])) for i in range(0, len(seqs), step)]
+    calls = [
+        ("score", (seqs[i : i + step], [len(p) for p in expanded[i : i + step]])) for i in range(0, len(seqs), step)
+    ]
     scored = [r for part in _run_stage("scoring", scorers, calls, progress) for r in part]
     times.scoring_s = time.time() - t0
     _stop(scorers)
     return scored
 
 
-def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: list[list[int]], scored: list) -> tuple[CueSet, list[str]]:
+def _select(
+    cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: list[list[int]], scored: list
+) -> tuple[CueSet, list[str]]:
     """The candidates' margins after them, the selection by ``cfg.rule`` (and by the paper's, for
     the report), as a new cue set document."""
     from relay_serve.calibration.candidates import default_candidates
@@ -246,7 +269,7 @@ def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: lis
     candidates = cfg.candidates or default_candidates()
     by_cue: dict[str, list[float]] = {}
     all_tokens: list[float] = []
-    for trace, rows in zip(traces, scored):
+    for trace, rows in zip(traces, scored, strict=True):
         m = trace_margins(codec, trace, rows, candidates)
         all_tokens += m.all_tokens
         for cue, values in m.by_cue.items():
@@ -255,11 +278,13 @@ def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: lis
         raise RuntimeError("the traces hold no reasoning tokens: nothing to calibrate on")
     overall = sum(all_tokens) / len(all_tokens)
     table, selected = select_cues(by_cue, candidates, overall, cfg.rule)
-    _, paper_selected = select_cues(by_cue, candidates, overall, cfg.rule.model_copy(update={"rule": "mean-above-overall"}))
+    _, paper_selected = select_cues(
+        by_cue, candidates, overall, cfg.rule.model_copy(update={"rule": "mean-above-overall"})
+    )
     if not selected:
         raise RuntimeError("no candidate cue passed the selection rule; nothing to publish")
     cue_set = CueSet(
-        version=datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6],
+        version=datetime.now(UTC).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6],
         pair=model_pair(cfg.app),
         candidates=table,
         overall_mean=overall,
@@ -273,7 +298,7 @@ def _select(cfg: CalibrationConfig, codec, prompts: list[list[int]], traces: lis
             num_traces=len(traces),
             num_tokens=sum(len(t) for t in traces),
         ),
-        created_at=datetime.now(timezone.utc),
+        created_at=datetime.now(UTC),
         job_id=_job_id(),
     )
     return cue_set, paper_selected
@@ -319,7 +344,11 @@ def main(args: argparse.Namespace) -> int:
         "selected": result.cue_set.selected,
         "paper_rule_selected": result.paper_rule_selected,
         "overall_mean": round(result.cue_set.overall_mean, 4),
-        "margins": {s.cue: round(s.mean, 4) for s in result.cue_set.candidates if s.cue in result.cue_set.selected and s.mean is not None},
+        "margins": {
+            s.cue: round(s.mean, 4)
+            for s in result.cue_set.candidates
+            if s.cue in result.cue_set.selected and s.mean is not None
+        },
         "published": result.published_uri,
         "report": result.report_json,
         "plot": result.report_png,

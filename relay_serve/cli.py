@@ -4,9 +4,8 @@ so that ``relay-serve --help`` and the toy commands start fast."""
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
-from typing import Optional
 
 import typer
 from pydantic import ValidationError
@@ -15,7 +14,9 @@ from relay_serve.config import PaperSampling
 
 PAPER = PaperSampling()  # eval's sampling defaults
 
-app = typer.Typer(help="RelayGen as a service: relay reasoning between a large and a small model.", no_args_is_help=True)
+app = typer.Typer(
+    help="RelayGen as a service: relay reasoning between a large and a small model.", no_args_is_help=True
+)
 toy_app = typer.Typer(help="The toy reasoning world and its trained model pair.", no_args_is_help=True)
 
 
@@ -24,12 +25,14 @@ def _setup() -> None:
     from relay_serve import envs
 
     envs.route_vllm_logs_to_stderr()
+
+
 app.add_typer(toy_app, name="toy")
 cues_app = typer.Typer(help="The pair's cue set versions in the store: history, rollback, unpin.", no_args_is_help=True)
 app.add_typer(cues_app, name="cues")
 
 
-class ToyModel(str, Enum):
+class ToyModel(StrEnum):
     large = "large"
     large_wide = "large-wide"
     small = "small"
@@ -84,7 +87,7 @@ def toy_eval(
     n: int = typer.Option(100, "--n", min=1),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
-    models_dir: Optional[Path] = typer.Option(None, "--models-dir", help="default: the package's toy/models"),
+    models_dir: Path | None = typer.Option(None, "--models-dir", help="default: the package's toy/models"),
 ) -> None:
     """Greedy accuracy of one toy model on held-out problems, decoded through vLLM."""
     from relay_serve.eval.toy_models import evaluate_model
@@ -101,7 +104,7 @@ def toy_margins(
     n: int = typer.Option(200, "--n", min=1),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
-    models_dir: Optional[Path] = typer.Option(None, "--models-dir"),
+    models_dir: Path | None = typer.Option(None, "--models-dir"),
 ) -> None:
     """The small model's margins, teacher-forced on large-model traces, after easy and hard cues."""
     from relay_serve.eval.toy_models import cue_margins
@@ -132,24 +135,36 @@ def toy_speed(
     try:
         sizes = [int(b) for b in batches.split(",")]
     except ValueError:
-        raise typer.BadParameter(f"{batches!r}: comma-separated batch sizes, e.g. 1,8", param_hint="--batches") from None
+        raise typer.BadParameter(
+            f"{batches!r}: comma-separated batch sizes, e.g. 1,8", param_hint="--batches"
+        ) from None
     for key, value in default_cpu_engine_env().items():
         os.environ.setdefault(key, value)  # before the engine starts: as a serving replica runs it
     rows = []
     for name in names:
         with _engine(name, None) as engine:
             for b in sizes:
-                rows.append({"model": name, "batch": b, "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3)})
+                rows.append(
+                    {
+                        "model": name,
+                        "batch": b,
+                        "ms_per_token": round(1000 * decode_speed(name, b, tokens, engine=engine), 3),
+                    }
+                )
         gc.collect()
     small = {r["batch"]: r["ms_per_token"] for r in rows if r["model"] == "small"}
     for row in rows:
         if row["batch"] in small:
             row["x_small"] = round(row["ms_per_token"] / small[row["batch"]], 2)
         ratio = f" ({row['x_small']}x small)" if "x_small" in row else ""
-        typer.echo(json.dumps(row) if as_json else f"{row['model']:>10} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step{ratio}")
+        typer.echo(
+            json.dumps(row)
+            if as_json
+            else f"{row['model']:>10} batch {row['batch']:>3}: {row['ms_per_token']} ms per decode step{ratio}"
+        )
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     relay = "relay"
     large = "large"
     small = "small"
@@ -169,10 +184,16 @@ def eval_cmd(
     top_k: int = typer.Option(PAPER.top_k, "--top-k"),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1),
     concurrency: int = typer.Option(16, "--concurrency", min=1),
-    url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
-    records: Optional[Path] = typer.Option(None, "--records", help="per-problem JSONL (default under the state dir)"),
-    answer_agreement: bool = typer.Option(False, "--answer-agreement", help="keep the large model's reasoning; compare the answers each model writes after it"),
-    cue: Optional[list[str]] = typer.Option(None, "--cue", help="relay: hand off on this cue instead of the active set (repeat it; for ablations)"),
+    url: str | None = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
+    records: Path | None = typer.Option(None, "--records", help="per-problem JSONL (default under the state dir)"),
+    answer_agreement: bool = typer.Option(
+        False,
+        "--answer-agreement",
+        help="keep the large model's reasoning; compare the answers each model writes after it",
+    ),
+    cue: list[str] | None = typer.Option(
+        None, "--cue", help="relay: hand off on this cue instead of the active set (repeat it; for ablations)"
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """pass@1 of a mode on a dataset, graded with math-verify on the text after </think>."""
@@ -183,12 +204,28 @@ def eval_cmd(
     from relay_serve.eval.runner import EvalSettings, run_agreement, run_eval, table
 
     try:
-        s = EvalSettings(dataset=dataset, mode=mode.value, n=n, samples=samples, seed=seed, temperature=temperature,
-                         top_p=top_p, top_k=top_k, max_tokens=max_tokens, concurrency=concurrency, cues=cue or None)  # fmt: skip
+        s = EvalSettings(
+            dataset=dataset,
+            mode=mode.value,
+            n=n,
+            samples=samples,
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            cues=cue or None,
+        )
     except ValidationError as e:
         raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     kind = "agreement" if answer_agreement else mode.value
-    out = records or envs.state_dir() / "eval" / f"{dataset.replace(':', '_').replace('/', '_')}-{kind}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    out = (
+        records
+        or envs.state_dir()
+        / "eval"
+        / f"{dataset.replace(':', '_').replace('/', '_')}-{kind}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    )
     try:
         if answer_agreement:
             result = run_agreement(s, url, out, progress=not as_json)
@@ -227,23 +264,48 @@ def recorded_command(argv: list[str]) -> str:
 @app.command("bench")
 def bench_cmd(
     concurrency: str = typer.Option("1,8,32", "--concurrency", help="comma-separated concurrency levels"),
-    requests: int = typer.Option(32, "--requests", min=1, help="requests per mode, level and round (at least twice the level above 1)"),
-    sampling: str = typer.Option("greedy,paper", "--sampling", help="sampling profiles, each in rounds of its own: greedy, paper"),
+    requests: int = typer.Option(
+        32, "--requests", min=1, help="requests per mode, level and round (at least twice the level above 1)"
+    ),
+    sampling: str = typer.Option(
+        "greedy,paper", "--sampling", help="sampling profiles, each in rounds of its own: greedy, paper"
+    ),
     spec_tokens: int = typer.Option(
-        8, "--spec-tokens", min=0, help="large+spec, relay+spec: the large engine drafts up to this many tokens with the small model (0: skip)"
+        8,
+        "--spec-tokens",
+        min=0,
+        help="large+spec, relay+spec: the large engine drafts up to this many tokens with the small model (0: skip)",
     ),
-    spec_schedule: Optional[str] = typer.Option(
-        None, "--spec-schedule", help="the draft length by the engine's batch size, FROM-TO:K,... (default: the sweep's; none: --spec-tokens always)"
+    spec_schedule: str | None = typer.Option(
+        None,
+        "--spec-schedule",
+        help="the draft length by the engine's batch size, FROM-TO:K,... (default: the sweep's; none: --spec-tokens "
+        "always)",
     ),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="every mode at every level once a round, in a rotating order"),
-    dataset: str = typer.Option("toy", "--dataset", help="the prompts, graded for pass@1: toy, math500, gsm8k or jsonl:PATH"),
-    config: Optional[Path] = typer.Option(
-        None, "--config", exists=True, dir_okay=False, help="the app (pair) to bench (default: configs/toy-wide-cpu.yaml's)"
+    rounds: int = typer.Option(
+        3, "--rounds", min=1, help="every mode at every level once a round, in a rotating order"
     ),
-    calibrate: bool = typer.Option(True, "--calibrate/--no-calibrate", help="calibrate the pair's cues first, into the bench's own store"),
-    vllm_baseline: bool = typer.Option(True, "--vllm/--no-vllm", help="also run the large model on vLLM's own OpenAI server"),
+    dataset: str = typer.Option(
+        "toy", "--dataset", help="the prompts, graded for pass@1: toy, math500, gsm8k or jsonl:PATH"
+    ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        exists=True,
+        dir_okay=False,
+        help="the app (pair) to bench (default: configs/toy-wide-cpu.yaml's)",
+    ),
+    calibrate: bool = typer.Option(
+        True, "--calibrate/--no-calibrate", help="calibrate the pair's cues first, into the bench's own store"
+    ),
+    vllm_baseline: bool = typer.Option(
+        True, "--vllm/--no-vllm", help="also run the large model on vLLM's own OpenAI server"
+    ),
     small_queue_bound: int = typer.Option(
-        0, "--small-queue-bound", min=0, help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)"
+        0,
+        "--small-queue-bound",
+        min=0,
+        help="also run relay at the top concurrency with this router.max_small_in_flight (0: skip)",
     ),
     compare_transports: bool = typer.Option(
         False, "--compare-transports/--no-compare-transports", help="also run relay with router.transport: handle"
@@ -251,7 +313,7 @@ def bench_cmd(
     compare_resumable: bool = typer.Option(
         False, "--compare-resumable/--no-compare-resumable", help="also run relay with a new engine request per segment"
     ),
-    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default under the state dir)"),
+    out: Path | None = typer.Option(None, "--out", help="output folder (default under the state dir)"),
     as_json: bool = typer.Option(False, "--json", help="the summary as the last line, one JSON object"),
 ) -> None:
     """relay against the large model alone (on relay-serve and on vLLM's own server), small and
@@ -274,14 +336,18 @@ def bench_cmd(
         if any(c < 1 for c in levels):
             raise ValueError
     except ValueError:
-        raise typer.BadParameter(f"{concurrency!r}: comma-separated positive integers, e.g. 1,8", param_hint="--concurrency") from None
+        raise typer.BadParameter(
+            f"{concurrency!r}: comma-separated positive integers, e.g. 1,8", param_hint="--concurrency"
+        ) from None
     try:
         load_problems(dataset, 1)
     except DatasetError as e:
         raise typer.BadParameter(str(e), param_hint="--dataset") from e
     profiles = [p.strip() for p in sampling.split(",") if p.strip()]
     if not profiles or any(p not in PROFILES for p in profiles):
-        raise typer.BadParameter(f"{sampling!r}: comma-separated profiles of {', '.join(PROFILES)}", param_hint="--sampling")
+        raise typer.BadParameter(
+            f"{sampling!r}: comma-separated profiles of {', '.join(PROFILES)}", param_hint="--sampling"
+        )
     from relay_serve.bench.bench import SPEC_SCHEDULE, parse_schedule
 
     try:
@@ -319,7 +385,7 @@ def soak_cmd(
     clients: int = typer.Option(64, "--clients", min=1, max=4096, help="concurrent clients"),
     duration: float = typer.Option(120.0, "--duration", min=1.0, help="seconds of load"),
     max_tokens: int = typer.Option(256, "--max-tokens", min=1),
-    url: Optional[str] = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
+    url: str | None = typer.Option(None, "--url", help="a running server (default: start the embedded app)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as one JSON line"),
 ) -> None:
     """A bounded soak: CLIENTS clients for DURATION seconds; then no request may have failed and the
@@ -336,11 +402,15 @@ def soak_cmd(
     else:
         rss, aff = report["router_rss_mib"], report["affinity_sessions"]
         typer.echo(
-            f"{report['requests']} requests in {report['wall_s']} s ({report['requests_per_s']}/s), {report['errors']} failed; "
+            f"{report['requests']} requests in {report['wall_s']} s ({report['requests_per_s']}/s), {report['errors']} "
+            "failed; "
             f"latency p50 {report['latency_p50_s']} s, p99 {report['latency_p99_s']} s\n"
-            f"router sessions pinned to replicas before/peak/end/after: {aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
+            f"router sessions pinned to replicas before/peak/end/after: "
+            f"{aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
             f"RSS MiB before/peak/end/after: {rss['before']}/{rss['peak']}/{rss['end']}/{rss['after']}; "
-            "Python memory blocks before/peak/end/after: {before}/{peak}/{end}/{after}".format(**report["router_python_blocks"])
+            "Python memory blocks before/peak/end/after: {before}/{peak}/{end}/{after}".format(
+                **report["router_python_blocks"]
+            )
         )
         for err in report["first_errors"]:
             typer.echo(f"  failed: {err}", err=True)
@@ -348,7 +418,7 @@ def soak_cmd(
     raise typer.Exit(0 if report["passed"] else 1)
 
 
-class OutFormat(str, Enum):
+class OutFormat(StrEnum):
     parquet = "parquet"
     jsonl = "jsonl"
 
@@ -360,12 +430,16 @@ def batch_cmd(
     mode: Mode = typer.Option(Mode.relay, "--mode"),
     concurrency: int = typer.Option(32, "--concurrency", min=1, help="requests in flight"),
     fmt: OutFormat = typer.Option(OutFormat.parquet, "--format", help="results as parquet or jsonl"),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="default for rows that do not set it"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0),
-    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    config: Optional[Path] = typer.Option(
-        None, "--config", exists=True, dir_okay=False, help="the app to use: its name is looked up, and it is started if not running"
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1, help="default for rows that do not set it"),
+    temperature: float | None = typer.Option(None, "--temperature", min=0.0),
+    top_p: float | None = typer.Option(None, "--top-p", min=0.0, max=1.0),
+    top_k: int | None = typer.Option(None, "--top-k"),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        exists=True,
+        dir_okay=False,
+        help="the app to use: its name is looked up, and it is started if not running",
     ),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON line"),
 ) -> None:
@@ -375,8 +449,17 @@ def batch_cmd(
     cfg = _load_config(config)
 
     try:
-        s = BatchSettings(input=input, output=output, mode=mode.value, concurrency=concurrency, format=fmt.value,
-                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)  # fmt: skip
+        s = BatchSettings(
+            input=input,
+            output=output,
+            mode=mode.value,
+            concurrency=concurrency,
+            format=fmt.value,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+        )
     except ValidationError as e:
         raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     try:
@@ -388,7 +471,9 @@ def batch_cmd(
         return
     typer.echo(summary.model_dump_json(indent=2))
     if summary.malformed or summary.failed:
-        typer.echo(f"{summary.malformed} malformed and {summary.failed} failed rows: see {summary.errors_file}", err=True)
+        typer.echo(
+            f"{summary.malformed} malformed and {summary.failed} failed rows: see {summary.errors_file}", err=True
+        )
 
 
 @app.command("problems")
@@ -409,20 +494,20 @@ def problems_cmd(
         typer.echo(json.dumps({"id": p.id, "prompt": p.problem, "answer": p.answer}, ensure_ascii=False))
 
 
-class Rule(str, Enum):
+class Rule(StrEnum):
     ci = "ci-above-overall"
     paper = "mean-above-overall"
 
 
 @app.command("calibrate")
 def calibrate_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="calibration config YAML"),
-    store: Optional[str] = typer.Option(None, "--store", help="cue store URI"),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1),
-    samples_per_prompt: Optional[int] = typer.Option(None, "--samples-per-prompt", min=1),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    rule: Optional[Rule] = typer.Option(None, "--rule"),
+    config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, help="calibration config YAML"),
+    store: str | None = typer.Option(None, "--store", help="cue store URI"),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1),
+    samples_per_prompt: int | None = typer.Option(None, "--samples-per-prompt", min=1),
+    workers: int | None = typer.Option(None, "--workers", min=1),
+    seed: int | None = typer.Option(None, "--seed"),
+    rule: Rule | None = typer.Option(None, "--rule"),
     dry_run: bool = typer.Option(False, "--dry-run", help="calibrate and report, publish nothing"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -433,14 +518,20 @@ def calibrate_cmd(
     from calibration_jobs.calibrate import main
 
     ns = argparse.Namespace(
-        config=str(config) if config else None, store=store, num_prompts=num_prompts,
-        samples_per_prompt=samples_per_prompt, workers=workers, seed=seed,
-        rule=rule.value if rule else None, dry_run=dry_run, json=as_json,
+        config=str(config) if config else None,
+        store=store,
+        num_prompts=num_prompts,
+        samples_per_prompt=samples_per_prompt,
+        workers=workers,
+        seed=seed,
+        rule=rule.value if rule else None,
+        dry_run=dry_run,
+        json=as_json,
     )
     raise typer.Exit(main(ns))
 
 
-class ConfigFormat(str, Enum):
+class ConfigFormat(StrEnum):
     app = "app"
     serve = "serve"
     k8s = "k8s"
@@ -448,11 +539,15 @@ class ConfigFormat(str, Enum):
 
 @app.command("serve")
 def serve_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML"),
+    config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    metrics_port: Optional[int] = typer.Option(
-        None, "--metrics-port", min=1, max=65535, help="the port of the Prometheus metrics a local Ray exports (default: a free one; printed)"
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        min=1,
+        max=65535,
+        help="the port of the Prometheus metrics a local Ray exports (default: a free one; printed)",
     ),
 ) -> None:
     """Start the relay service (local Ray, the toy pair and a local cue store unless configured)."""
@@ -463,13 +558,15 @@ def serve_cmd(
 
 @app.command("config")
 def config_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False),
+    config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False),
     fmt: ConfigFormat = typer.Option(
-        ConfigFormat.app, "--format", help="app: the app config; serve: a Ray Serve config file; k8s: a RayService's serveConfigV2"
+        ConfigFormat.app,
+        "--format",
+        help="app: the app config; serve: a Ray Serve config file; k8s: a RayService's serveConfigV2",
     ),
     host: str = typer.Option("0.0.0.0", "--host", help="serve format only"),
     port: int = typer.Option(8000, "--port", help="serve format only"),
-    into: Optional[Path] = typer.Option(
+    into: Path | None = typer.Option(
         None, "--into", exists=True, dir_okay=False, help="k8s format: rewrite this manifest's serveConfigV2 in place"
     ),
 ) -> None:
@@ -497,7 +594,7 @@ def config_cmd(
         typer.echo(f"wrote serveConfigV2 into {into}")
 
 
-def _load_config(path: Optional[Path]):
+def _load_config(path: Path | None):
     from relay_serve.config import AppConfig
 
     try:
@@ -512,7 +609,10 @@ def main() -> None:  # pragma: no cover
 
 def _validation_messages(e: ValidationError) -> list[str]:
     """A settings error as the user's words: the field and what is wrong with it, no pydantic dump."""
-    return [(f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ") for err in e.errors()]
+    return [
+        (f"{'.'.join(map(str, err['loc']))}: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+        for err in e.errors()
+    ]
 
 
 # ---- cue set versions ----------------------------------------------------------------------------
@@ -520,7 +620,7 @@ def _validation_messages(e: ValidationError) -> list[str]:
 ConfigOption = typer.Option(None, "--config", exists=True, dir_okay=False, help="app config YAML (its cues.store_uri)")
 
 
-def _store(config: Optional[Path]):
+def _store(config: Path | None):
     from relay_serve.calibration.store import CueStore, StoreError
 
     cfg = _load_config(config)
@@ -531,20 +631,31 @@ def _store(config: Optional[Path]):
 
 
 @cues_app.command("history")
-def cues_history(config: Optional[Path] = ConfigOption, as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+def cues_history(
+    config: Path | None = ConfigOption, as_json: bool = typer.Option(False, "--json", help="print JSON")
+) -> None:
     """Every version, oldest first: its source, selection and figures; which one is LATEST and pinned."""
     store = _store(config)
     latest, pinned = store.latest_version(), store.pinned()
     rows = []
     for c in store.history():
         p = c.provenance
-        rows.append({
-            "version": c.version, "created_at": c.created_at.isoformat(), "source": p.source, "selected": c.selected,
-            "overall_mean": round(c.overall_mean, 4), "overall_tokens": c.overall_count,
-            "generations": p.generations, "window_start": p.window_start.isoformat() if p.window_start else None,
-            "window_end": p.window_end.isoformat() if p.window_end else None, "previous": p.previous,
-            "latest": c.version == latest, "pinned": c.version == pinned,
-        })  # fmt: skip
+        rows.append(
+            {
+                "version": c.version,
+                "created_at": c.created_at.isoformat(),
+                "source": p.source,
+                "selected": c.selected,
+                "overall_mean": round(c.overall_mean, 4),
+                "overall_tokens": c.overall_count,
+                "generations": p.generations,
+                "window_start": p.window_start.isoformat() if p.window_start else None,
+                "window_end": p.window_end.isoformat() if p.window_end else None,
+                "previous": p.previous,
+                "latest": c.version == latest,
+                "pinned": c.version == pinned,
+            }
+        )
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -552,18 +663,27 @@ def cues_history(config: Optional[Path] = ConfigOption, as_json: bool = typer.Op
         typer.echo(f"no cue set in {store.uri} (the router uses the default set)")
     for r in rows:
         mark = ("LATEST" if r["latest"] else "") + (" PINNED" if r["pinned"] else "")
-        figures = f"{r['generations']} generations {r['window_start']} .. {r['window_end']}" if r["source"] == "online" else f"{r['overall_tokens']} tokens"
+        figures = (
+            f"{r['generations']} generations {r['window_start']} .. {r['window_end']}"
+            if r["source"] == "online"
+            else f"{r['overall_tokens']} tokens"
+        )
         typer.echo(f"{r['version']:<32} {r['source']:<11} {', '.join(r['selected']):<40} {figures} {mark}".rstrip())
 
 
 @cues_app.command("rollback")
-def cues_rollback(version: str = typer.Argument(..., help="a version `relay-serve cues history` lists"), config: Optional[Path] = ConfigOption) -> None:
+def cues_rollback(
+    version: str = typer.Argument(..., help="a version `relay-serve cues history` lists"),
+    config: Path | None = ConfigOption,
+) -> None:
     """Move LATEST back to VERSION and pin it: online calibration publishes nothing until `cues unpin`."""
     from relay_serve.calibration.store import StoreError
 
     store = _store(config)
     if version not in store.versions():
-        raise typer.BadParameter(f"no version {version!r} in {store.uri}; `relay-serve cues history` lists them", param_hint="VERSION")
+        raise typer.BadParameter(
+            f"no version {version!r} in {store.uri}; `relay-serve cues history` lists them", param_hint="VERSION"
+        )
     try:
         store.rollback(version)
     except StoreError as e:
@@ -572,7 +692,7 @@ def cues_rollback(version: str = typer.Argument(..., help="a version `relay-serv
 
 
 @cues_app.command("unpin")
-def cues_unpin(config: Optional[Path] = ConfigOption) -> None:
+def cues_unpin(config: Path | None = ConfigOption) -> None:
     """Let online calibration publish again."""
     store = _store(config)
     was = store.pinned()
@@ -606,8 +726,14 @@ def cues_converge(
     from relay_serve.config import AppConfig
 
     store = (Path(tempfile.mkdtemp(prefix="relay-converge-store-")) / "cues").as_uri()
-    cfg = online.online_config(AppConfig(), store, sample_rate=sample_rate, explore_rate=explore_rate,
-                               min_occurrences=min_occurrences, publish_interval_s=publish_interval_s)  # fmt: skip
+    cfg = online.online_config(
+        AppConfig(),
+        store,
+        sample_rate=sample_rate,
+        explore_rate=explore_rate,
+        min_occurrences=min_occurrences,
+        publish_interval_s=publish_interval_s,
+    )
     online.publish_start_set(cfg, online.START_CUES)
     base = start(cfg, port=free_port())
     try:
@@ -626,8 +752,12 @@ def cues_converge(
     out.mkdir(parents=True, exist_ok=True)
     (out / "converge.json").write_text(result.model_dump_json(indent=2))
     online.plot(result, out / "converge.png")
-    typer.echo(f"converged after {converged_after} relay generations; relay pass@1 {rounds[0].pass_at_1:.3f} in the first round; "
-               f"on {final_n} problems after: relay {relay:.3f}, large {large:.3f}; {out / 'converge.json'}, {out / 'converge.png'}")  # fmt: skip
+    typer.echo(
+        f"converged after {converged_after} relay generations; relay pass@1 {rounds[0].pass_at_1:.3f} in the first "
+        "round; "
+        f"on {final_n} problems after: relay {relay:.3f}, large {large:.3f}; {out / 'converge.json'}, "
+        f"{out / 'converge.png'}"
+    )
     if converged_after is None:
         raise typer.Exit(1)
 
@@ -652,7 +782,11 @@ def cues_cost(
     from relay_serve.config import AppConfig, OnlineCalibration
 
     defaults = OnlineCalibration()
-    settings = {"off": None, "on (defaults)": (defaults.sample_rate, defaults.explore_rate), "on (every generation)": (1.0, defaults.explore_rate)}
+    settings = {
+        "off": None,
+        "on (defaults)": (defaults.sample_rate, defaults.explore_rate),
+        "on (every generation)": (1.0, defaults.explore_rate),
+    }
     init_ray(AppConfig().env_vars)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -679,8 +813,13 @@ def cues_cost(
     if as_json:
         typer.echo(json.dumps([r.model_dump() for r in rows]))
         return
-    typer.echo(f"| setting | sample / explore rate | requests | relay p50 (s) | p90 (s) | pass@1 |  (concurrency {concurrency})")
+    typer.echo(
+        f"| setting | sample / explore rate | requests | relay p50 (s) | p90 (s) | pass@1 |  (concurrency "
+        f"{concurrency})"
+    )
     typer.echo("|---|---|---|---|---|---|")
     for r in rows:
-        typer.echo(f"| {r.setting} | {r.sample_rate} / {r.explore_rate} | {r.requests} | {r.latency_p50_s:.3f} | {r.latency_p90_s:.3f} | {r.pass_at_1:.3f} |")
-
+        typer.echo(
+            f"| {r.setting} | {r.sample_rate} / {r.explore_rate} | {r.requests} | {r.latency_p50_s:.3f} | "
+            f"{r.latency_p90_s:.3f} | {r.pass_at_1:.3f} |"
+        )

@@ -32,12 +32,17 @@ def http_client(timeout: float = 600.0):
     return httpx.AsyncClient(timeout=timeout, headers=api_headers())
 
 
-def chat_body(model: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, **fields: Any) -> dict[str, Any]:
+def chat_body(
+    model: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None, **fields: Any
+) -> dict[str, Any]:
     """An OpenAI chat completion body: one user ``prompt`` (or ``messages``) and the other
     ``fields`` (sampling settings, ``stream``, ``relay_trace``, ...); fields set to None are left out."""
     if (prompt is None) == (messages is None):
         raise ValueError("give a prompt or messages")
-    body: dict[str, Any] = {"model": model, "messages": messages if messages is not None else [{"role": "user", "content": prompt}]}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages if messages is not None else [{"role": "user", "content": prompt}],
+    }
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 

@@ -59,7 +59,9 @@ def init_ray(
     if address:
         ray.init(address=address, runtime_env=runtime_env, **kwargs)
         if metrics_port is not None and metrics_port != node_metrics_port():
-            log.warning("--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, node_metrics_port())
+            log.warning(
+                "--metrics-port %d is ignored: this Ray cluster's node exports on %s", metrics_port, node_metrics_port()
+            )
     else:
         if metrics_port is not None:
             kwargs["_metrics_export_port"] = metrics_port
@@ -67,7 +69,13 @@ def init_ray(
         # Serve's direct ingress holds a stopping ingress replica open 30 s for external load
         # balancers to deregister it; a local Ray has none (in-flight requests are still awaited).
         runtime_env["env_vars"].setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
-        ray.init(address="local", num_cpus=num_cpus or envs.num_cpus(), include_dashboard=False, runtime_env=runtime_env, **kwargs)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or envs.num_cpus(),
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            **kwargs,
+        )
 
 
 def _this_node() -> dict[str, Any]:

@@ -33,7 +33,10 @@ class DeploymentSettings(Strict):
     max_ongoing_requests: int = Field(64, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     graceful_shutdown_wait_loop_s: float = Field(
-        0.5, gt=0.0, description="a stopping replica looks this often whether its requests (and leases) are done (Serve's default: 2)"
+        0.5,
+        gt=0.0,
+        description="a stopping replica looks this often whether its requests (and leases) are done (Serve's default: "
+        "2)",
     )
 
     @property
@@ -92,7 +95,10 @@ class ModelDeploymentSettings(DeploymentSettings):
         opts = super().serve_options(env_vars)
         scaling = opts.get("autoscaling_config")
         if scaling is not None and "policy" not in scaling and self.target_engine_load is not None:
-            scaling["policy"] = {"policy_function": ENGINE_LOAD_POLICY, "policy_kwargs": {"target_per_replica": self.target_engine_load}}
+            scaling["policy"] = {
+                "policy_function": ENGINE_LOAD_POLICY,
+                "policy_kwargs": {"target_per_replica": self.target_engine_load},
+            }
         return opts
 
 
@@ -184,24 +190,39 @@ class OnlineCalibration(Strict):
     """Cue sets recalibrated from served traffic (``router/shadow.py``, ``online/cue_stats.py``)."""
 
     enabled: bool = Field(False, description="score served relay generations and publish re-selected cue sets")
-    sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="the share of finished relay generations a router scores")
+    sample_rate: float = Field(
+        0.1, ge=0.0, le=1.0, description="the share of finished relay generations a router scores"
+    )
     explore_rate: float = Field(
-        0.02, ge=0.0, le=1.0,
-        description="the share of relay generations whose reasoning the large model writes alone (evidence on the selected cues)",
-    )  # fmt: skip
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description="the share of relay generations whose reasoning the large model writes alone (evidence on the "
+        "selected cues)",
+    )
     min_occurrences: int = Field(20, ge=1, description="a cue needs this many scored occurrences to be selected")
     confidence: float = Field(0.95, gt=0.0, lt=1.0)
     rule: Literal["ci-above-overall", "mean-above-overall"] = "ci-above-overall"
     publish_interval_s: float = Field(300.0, gt=0.0, description="how often the shared statistics re-select")
     max_queue: int = Field(8, ge=1, description="generations waiting to be scored per router; more are dropped")
-    candidates: list[str] | None = Field(None, description="the cues to keep statistics of (default: the calibration job's)")
+    candidates: list[str] | None = Field(
+        None, description="the cues to keep statistics of (default: the calibration job's)"
+    )
     window_generations: int = Field(
-        2000, ge=1, description="the statistics cover the newest this many scored generations: every cue's occurrences and the baseline alike"
+        2000,
+        ge=1,
+        description="the statistics cover the newest this many scored generations: every cue's occurrences and the "
+        "baseline alike",
     )
     confirm_rounds: int = Field(
-        2, ge=1, description="a different selection is published only after this many re-selections in a row gave it (no flip-flopping)"
+        2,
+        ge=1,
+        description="a different selection is published only after this many re-selections in a row gave it (no "
+        "flip-flopping)",
     )
-    score_timeout_s: float = Field(60.0, gt=0.0, description="a scoring call that takes longer is given up (one sample lost)")
+    score_timeout_s: float = Field(
+        60.0, gt=0.0, description="a scoring call that takes longer is given up (one sample lost)"
+    )
 
     def selection_rule(self) -> SelectionRule:
         return SelectionRule(rule=self.rule, min_occurrences=self.min_occurrences, confidence=self.confidence)
@@ -231,12 +252,14 @@ class RouterSettings(Strict):
     )
     session_affinity: bool = Field(
         True,
-        description="keep each generation's segments on the replica holding its prefix (direct: one lease a generation, "
+        description="keep each generation's segments on the replica holding its prefix (direct: one lease a "
+        "generation, "
         "not one a segment; handle: the SessionAffinityRouter)",
     )
     resumable_requests: bool = Field(
         True,
-        description="direct transport: a generation's segments on one model continue one resumable engine request (vLLM "
+        description="direct transport: a generation's segments on one model continue one resumable engine request "
+        "(vLLM "
         "streaming input; its KV cache kept between segments) instead of a new request each; engines with a "
         "speculative_config always take a new request per segment",
     )
@@ -254,11 +277,17 @@ class RouterSettings(Strict):
     request_timeout_s: float = Field(600.0, gt=0.0, description="a generation that takes longer fails with 504")
     model_name_prefix: str = Field("", description="prefix of the model ids in /v1/models (e.g. 'qwen3-')")
     segment_retries: int = Field(
-        2, ge=0, le=10, description="an engine request whose replica failed is sent again this many times, from the context so far"
+        2,
+        ge=0,
+        le=10,
+        description="an engine request whose replica failed is sent again this many times, from the context so far",
     )
     retry_backoff_s: float = Field(0.2, ge=0.0, le=10.0, description="wait before retry n: n times this")
     max_small_in_flight: int | None = Field(
-        None, ge=1, description="relay: past this many small-model segments in flight (per router replica) the large model keeps its handoffs"
+        None,
+        ge=1,
+        description="relay: past this many small-model segments in flight (per router replica) the large model keeps "
+        "its handoffs",
     )
     small_timeout_s: float = Field(
         30.0,
@@ -269,7 +298,9 @@ class RouterSettings(Strict):
     small_retry_after_s: float = Field(
         10.0, ge=0.0, description="after such a timeout, the large model writes small-model segments for this long"
     )
-    api_key_file: str | None = Field(None, description="a file of accepted API keys, one a line (Authorization: Bearer)")
+    api_key_file: str | None = Field(
+        None, description="a file of accepted API keys, one a line (Authorization: Bearer)"
+    )
     api_key_env: str | None = Field(None, description="an environment variable holding an accepted API key")
 
     def api_keys(self) -> list[str]:

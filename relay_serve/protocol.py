@@ -26,7 +26,8 @@ went silent) frees its replica slots at once, not at the lease's TTL. Replica to
 "chunk"}`` (an EngineChunk as a mapping; a non-streamed request gets one, the whole output) or
 ``{"id", "error"}`` (with ``"invalid": param`` when the engine refuses the request as invalid:
 the client's fault, never retried; with ``"gap": true`` when the segment continues a context the
-replica's session does not hold: the router sends it whole). Requests are multiplexed on one connection by id; a closed connection fails
+replica's session does not hold: the router sends it whole). Requests are multiplexed on one connection by id; a
+closed connection fails
 every request still open on it, and the replica aborts every engine request of a connection that
 closed. A request whose chunks the router does not read fails after ``MAX_PENDING_CHUNKS``.
 """
@@ -122,7 +123,9 @@ class EngineTraits(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    speculative: str | None = Field(None, description="the engine's speculative decoding, e.g. 'draft_model k=8' (None: none)")
+    speculative: str | None = Field(
+        None, description="the engine's speculative decoding, e.g. 'draft_model k=8' (None: none)"
+    )
     greedy_only: str | None = Field(
         None, description="why the engine runs only greedy sampling (temperature 0) correctly; None: any sampling"
     )
@@ -143,22 +146,27 @@ class SegmentRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelRole
-    prompt_token_ids: TokenIds = Field(description="a list, or packed as bytes (4 little-endian bytes an id: the channel's form)")
+    prompt_token_ids: TokenIds = Field(
+        description="a list, or packed as bytes (4 little-endian bytes an id: the channel's form)"
+    )
     max_tokens: int = Field(ge=1)
     stop: list[str] = Field(default_factory=list)
     word_stops: list[str] = Field(
         default_factory=list,
-        description="those of stop that count only at a word start (cues); an engine that cannot tell stops at any match",
+        description="those of stop that count only at a word start (cues); an engine that cannot tell stops at any "
+        "match",
     )
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     resume: bool = Field(
-        False, description="continue the generation's resumable engine request on this replica (its KV kept between segments)"
+        False,
+        description="continue the generation's resumable engine request on this replica (its KV kept between segments)",
     )
     session_id: str = Field(description="the generation's id: routes every segment to the replica holding its prefix")
     unchanged: int = Field(
         0,
         ge=0,
-        description="the router's own: the first `unchanged` context tokens are those this model's previous request of the "
+        description="the router's own: the first `unchanged` context tokens are those this model's previous request of "
+        "the "
         "generation had, followed by the output it got back; a transport that reaches the same session leaves them out",
     )
     context_base: int = Field(
@@ -173,16 +181,24 @@ class EngineChunk(BaseModel):
     """A streamed piece of an engine request's output. The last chunk has ``finished`` set."""
 
     token_ids: list[int] = Field(default_factory=list, description="tokens new in this chunk")
-    text: str = Field(default="", description="the engine's own text for them (stop-truncated; the relay decodes ids itself)")
+    text: str = Field(
+        default="", description="the engine's own text for them (stop-truncated; the relay decodes ids itself)"
+    )
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = Field(default=None, description="the stop string that matched, if any")
     cached_tokens: int = Field(default=0, description="prompt tokens served from the prefix cache")
     replica_id: str | None = None
     engine_s: float | None = Field(default=None, description="seconds the request spent inside the replica")
-    ttft_s: float | None = Field(default=None, description="seconds from the engine's receipt of the request to its first token")
-    decode_s: float | None = Field(default=None, description="seconds of decode steps inside the engine (after a first token)")
-    decode_steps: int | None = Field(default=None, description="the decode steps decode_s covers (output tokens - 1 for a plain request)")
+    ttft_s: float | None = Field(
+        default=None, description="seconds from the engine's receipt of the request to its first token"
+    )
+    decode_s: float | None = Field(
+        default=None, description="seconds of decode steps inside the engine (after a first token)"
+    )
+    decode_steps: int | None = Field(
+        default=None, description="the decode steps decode_s covers (output tokens - 1 for a plain request)"
+    )
     pauses: int = Field(default=0, description="times a resumable request paused on a possible stop that was none")
 
 
@@ -246,6 +262,7 @@ def no_delay(writer: asyncio.StreamWriter, keepalive: bool = False) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if keepalive and hasattr(socket, "TCP_KEEPIDLE"):  # Linux: a router whose node went silent
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            for option, value in zip((socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT), KEEPALIVE_S):
+            for option, value in zip(
+                (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT), KEEPALIVE_S, strict=True
+            ):
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
-

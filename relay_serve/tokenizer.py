@@ -82,7 +82,9 @@ class FastStream(TokenStream):
     """A fast tokenizer's own incremental decoder (tokenizers' ``DecodeStream``, as vLLM's
     detokenizer uses it): O(1) a token, where a window decodes twice a token."""
 
-    def __init__(self, backend, decode: Decode, context: Sequence[int], skip: frozenset[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self, backend, decode: Decode, context: Sequence[int], skip: frozenset[int], skip_special_tokens: bool
+    ) -> None:
         self.backend, self.skip, self.skip_special_tokens = backend, skip, skip_special_tokens
         super().__init__(decode, context)
         self._resync()
@@ -99,7 +101,13 @@ class FastStream(TokenStream):
         return self._decoder.step(self.backend, token_id)
 
 
-def token_stream(tokenizer, decode: Decode, context: Sequence[int] = (), skip: frozenset[int] = frozenset(), skip_special_tokens: bool = False) -> TokenStream:
+def token_stream(
+    tokenizer,
+    decode: Decode,
+    context: Sequence[int] = (),
+    skip: frozenset[int] = frozenset(),
+    skip_special_tokens: bool = False,
+) -> TokenStream:
     """The incremental decoder of a transformers tokenizer: its fast backend's where it has one, a
     window over ``decode`` where not."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -137,7 +145,8 @@ def check_marker(codec: Codec, marker: str) -> None:
     ids = codec.encode(marker)
     if codec.decode(ids) != marker or codec.decode(codec.encode("x" + marker + "y")) != "x" + marker + "y":
         raise MarkerLost(
-            f"the reasoning end marker {marker!r} does not survive the tokenizer at {codec.path} (tokens {ids} decode to "
+            f"the reasoning end marker {marker!r} does not survive the tokenizer at {codec.path} (tokens {ids} decode "
+            "to "
             f"{codec.decode(ids)!r}); set policy.think_close to the marker this model writes"
         )
 
@@ -146,7 +155,8 @@ def check_shared(large: str, small: str, large_from: str, small_from: str) -> No
     """The pair must share a tokenizer (handoffs pass token ids): refuse two fingerprints that differ."""
     if large != small:
         raise TokenizerMismatch(
-            f"the large model's tokenizer ({large_from}, {large}) differs from the small model's ({small_from}, {small}); "
+            f"the large model's tokenizer ({large_from}, {large}) differs from the small model's ({small_from}, "
+            f"{small}); "
             "relay-serve hands token ids between the two models and needs a pair that shares one tokenizer"
         )
 

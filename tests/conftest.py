@@ -83,4 +83,7 @@ def _slow_work_is_marked(request):
         if now
     ]
     if started:
-        pytest.fail(f"{request.node.nodeid} {', '.join(started)} without a {' or '.join(SLOW_MARKERS)} marker (make test-fast skips only those)")
+        pytest.fail(
+            f"{request.node.nodeid} {', '.join(started)} without a {' or '.join(SLOW_MARKERS)} marker (make test-fast "
+            "skips only those)"
+        )

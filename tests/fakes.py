@@ -33,7 +33,7 @@ class FakeCodec:
         pos = 0
         for m in _PIECE.finditer(text):
             if m.start() != pos:
-                raise ValueError(f"cannot encode {text[pos:m.start()]!r}")
+                raise ValueError(f"cannot encode {text[pos : m.start()]!r}")
             pos = m.end()
             if m.group() not in self.vocab:
                 self.vocab[m.group()] = len(self.pieces)
@@ -65,7 +65,12 @@ class FakeBackend(Backend):
     starts that way), so what the session wrote is what later requests hold beyond it."""
 
     def __init__(
-        self, codec, scripts: dict[str, Script], delay_s: float = 0.0, tokenizers: dict | None = None, max_model_len: int = 1024
+        self,
+        codec,
+        scripts: dict[str, Script],
+        delay_s: float = 0.0,
+        tokenizers: dict | None = None,
+        max_model_len: int = 1024,
     ) -> None:
         self.codec = codec
         self.tokenizers = tokenizers or {}  # a model's own tokenizer (a Codec), where it is not ``codec``
@@ -99,7 +104,10 @@ class FakeBackend(Backend):
         codec = self.tokenizers.get(model, self.codec)
         files = tokenizer_files(codec.tokenizer) if tokenizer else {}
         return ModelIdentity(
-            model_fingerprint=f"fake-{model}", tokenizer_fingerprint=codec.fingerprint, max_model_len=self.max_model_len, tokenizer_files=files
+            model_fingerprint=f"fake-{model}",
+            tokenizer_fingerprint=codec.fingerprint,
+            max_model_len=self.max_model_len,
+            tokenizer_files=files,
         )
 
     def _check_unchanged(self, request: SegmentRequest) -> list[int]:
@@ -111,7 +119,9 @@ class FakeBackend(Backend):
         seen = self.seen[key] = list(context)
         return seen
 
-    async def generate(self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None) -> AsyncIterator[EngineChunk]:
+    async def generate(
+        self, request: SegmentRequest, stream: bool = True, timeout_s: float | None = None
+    ) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
         seen = self._check_unchanged(request)
         if request.model in self.unavailable:
@@ -180,7 +190,9 @@ class FakeResumableEngine(Engine):
     def next_pieces(self, held: list[int]) -> list[int]:
         return self.codec.encode(self.script(self.codec.decode(held)))
 
-    async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+    async def generate(
+        self, request: SegmentRequest, request_id: str, stream: bool = True
+    ) -> AsyncIterator[EngineChunk]:
         """vLLM's stop strings, a word stop counting only at a word start (as an engine that can tell)."""
         pieces = self.next_pieces(request.prompt_token_ids)
         before = self.codec.decode(request.prompt_token_ids)
@@ -188,7 +200,9 @@ class FakeResumableEngine(Engine):
             text = self.codec.decode(pieces[:n])
             hit = next((s for s in request.stop if _occurs(s, text, before, s in request.word_stops)), None)
             if hit is not None or n == request.max_tokens:
-                yield EngineChunk(token_ids=pieces[:n], finished=True, finish_reason="stop" if hit else "length", stop_reason=hit)
+                yield EngineChunk(
+                    token_ids=pieces[:n], finished=True, finish_reason="stop" if hit else "length", stop_reason=hit
+                )
                 return
         yield EngineChunk(token_ids=pieces, finished=True, finish_reason="stop")
 

@@ -30,7 +30,13 @@ def fake_response(body: dict[str, Any]) -> dict[str, Any]:
                 "prompt_tokens": 3,
                 "completion_tokens": 4,
                 "total_tokens": 7,
-                "relay": {"large_tokens": 3, "small_tokens": 1, "switches": 1, "segments": 2, "cached_prompt_tokens": 0},
+                "relay": {
+                    "large_tokens": 3,
+                    "small_tokens": 1,
+                    "switches": 1,
+                    "segments": 2,
+                    "cached_prompt_tokens": 0,
+                },
             },
         }
     }
@@ -89,8 +95,12 @@ def test_malformed_lines_are_reported_with_their_line_numbers(ray_cluster, tmp_p
     assert by_id["b"]["text"] == "echo two" and by_id["a"]["small_tokens"] == 1
     errors = read_errors(tmp_path / "out")
     assert [(e["line"], e["kind"]) for e in sorted(errors, key=lambda e: e["line"])] == [
-        (3, "malformed"), (5, "malformed"), (6, "malformed"), (7, "malformed"), (9, "malformed"),
-    ]  # fmt: skip
+        (3, "malformed"),
+        (5, "malformed"),
+        (6, "malformed"),
+        (7, "malformed"),
+        (9, "malformed"),
+    ]
     assert "max_tokens" in next(e for e in errors if e["line"] == 9)["error"]
     assert "duplicate id 'a'" in next(e for e in errors if e["line"] == 7)["error"]
     # the row's own max_tokens wins over the run's default
@@ -206,12 +216,15 @@ def test_rows_with_a_gold_answer_are_graded(ray_cluster, tmp_path):
     """A labelled batch reports pass@1: right, wrong and failed rows (a failed row counts as
     wrong), rows without an answer left out of it."""
     src = tmp_path / "in.jsonl"
-    write_jsonl(src, [
-        json.dumps({"id": "right", "prompt": "\\boxed{42}", "answer": "42"}),
-        json.dumps({"id": "wrong", "prompt": "\\boxed{41}", "answer": 42}),
-        json.dumps({"id": "fails", "prompt": "boom", "answer": "1"}),
-        json.dumps({"id": "free", "prompt": "\\boxed{7}"}),
-    ])  # fmt: skip
+    write_jsonl(
+        src,
+        [
+            json.dumps({"id": "right", "prompt": "\\boxed{42}", "answer": "42"}),
+            json.dumps({"id": "wrong", "prompt": "\\boxed{41}", "answer": 42}),
+            json.dumps({"id": "fails", "prompt": "boom", "answer": "1"}),
+            json.dumps({"id": "free", "prompt": "\\boxed{7}"}),
+        ],
+    )
 
     async def call(body: dict[str, Any]) -> dict[str, Any]:
         if body["messages"][-1]["content"] == "boom":

@@ -4,6 +4,7 @@ not import (anywhere in the module, lazily or not)."""
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,15 @@ def _others(*mine: str) -> tuple[str, ...]:
 
 # module glob -> imports it must not make (prefixes)
 RULES = {
-    "relay_serve/relay/*.py": ("ray", "vllm", "fastapi", "torch", *PROCESSES, "relay_serve.engine", "relay_serve.config"),
+    "relay_serve/relay/*.py": (
+        "ray",
+        "vllm",
+        "fastapi",
+        "torch",
+        *PROCESSES,
+        "relay_serve.engine",
+        "relay_serve.config",
+    ),
     "relay_serve/engine/*.py": ("ray", "fastapi", *PROCESSES),
     "relay_serve/engine/session.py": ("vllm",),
     "relay_serve/engine/stops.py": ("vllm",),
@@ -28,7 +37,13 @@ RULES = {
     "relay_serve/protocol.py": ("ray", "vllm", "relay_serve"),
     "relay_serve/cluster.py": ("vllm", *PROCESSES),
     # A router replica loads no model and no engine.
-    "relay_serve/router/*.py": ("vllm", "torch", "relay_serve.engine", "calibration_jobs", *_others("relay_serve.router")),
+    "relay_serve/router/*.py": (
+        "vllm",
+        "torch",
+        "relay_serve.engine",
+        "calibration_jobs",
+        *_others("relay_serve.router"),
+    ),
     "relay_serve/router/http.py": ("ray", "relay_serve.relay"),
     "relay_serve/router/generations.py": ("ray", "fastapi", "starlette"),
     "relay_serve/router/streaming.py": ("ray", "fastapi", "starlette"),
@@ -36,10 +51,21 @@ RULES = {
     "relay_serve/router/channel.py": ("ray",),
     "relay_serve/replica/*.py": ("fastapi", *_others("relay_serve.replica", "relay_serve.app")),
     "relay_serve/replica/channel.py": ("ray", "vllm", "relay_serve.engine"),
-    "relay_serve/online/*.py": ("vllm", "fastapi", "relay_serve.engine", "calibration_jobs", *_others("relay_serve.online")),
+    "relay_serve/online/*.py": (
+        "vllm",
+        "fastapi",
+        "relay_serve.engine",
+        "calibration_jobs",
+        *_others("relay_serve.online"),
+    ),
     "relay_serve/app/*.py": ("vllm", "relay_serve.engine", "relay_serve.online"),
     # Serve's controller imports the policy: nothing of the replica but the name of its statistic.
-    "relay_serve/app/autoscaling.py": ("ray", "relay_serve.engine", "relay_serve.replica.model_server", *_others("relay_serve.app", "relay_serve.replica")),
+    "relay_serve/app/autoscaling.py": (
+        "ray",
+        "relay_serve.engine",
+        "relay_serve.replica.model_server",
+        *_others("relay_serve.app", "relay_serve.replica"),
+    ),
     "relay_serve/replica/load.py": ("relay_serve",),
     "relay_serve/tokenizer.py": (*PROCESSES, "ray", "vllm"),
     "relay_serve/client.py": ("ray", "vllm", *PROCESSES),
@@ -119,7 +145,9 @@ def _runtime_imports(path: Path) -> set[str]:
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # ``from relay_serve import envs`` imports the part ``envs``
-            found.update(f"{node.module}.{a.name}" for a in node.names) if node.module == "relay_serve" else found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names) if node.module == "relay_serve" else found.add(
+                node.module
+            )
     return found
 
 
@@ -151,5 +179,5 @@ def test_no_import_cycle_between_top_level_parts():
 
     for node in sorted(edges):
         if node not in state and (cycle := visit(node)):
-            steps = [f"{a} -> {b} ({edges[a][b]})" for a, b in zip(cycle, cycle[1:])]
+            steps = [f"{a} -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(cycle)]
             raise AssertionError("an import cycle between parts: " + "; ".join(steps))

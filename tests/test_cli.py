@@ -46,7 +46,8 @@ def test_cues_history_rollback_and_unpin(tmp_path):
     cfg.write_text(f"cues: {{store_uri: {store.uri}}}\n")
     rows = json.loads(runner.invoke(app, ["cues", "history", "--config", str(cfg), "--json"]).output)
     assert [(r["version"], r["selected"], r["latest"], r["pinned"]) for r in rows] == [
-        ("v1", ["First,"], False, False), ("v2", ["Thus,", "Wait,"], True, False)
+        ("v1", ["First,"], False, False),
+        ("v2", ["Thus,", "Wait,"], True, False),
     ]
     r = runner.invoke(app, ["cues", "rollback", "v1", "--config", str(cfg)])
     assert r.exit_code == 0 and "pinned" in r.output
@@ -62,5 +63,8 @@ def test_cues_history_rollback_and_unpin(tmp_path):
 def test_a_report_records_its_command_without_the_machines_output_folder():
     from relay_serve.cli import recorded_command
 
-    assert recorded_command(["bench", "--concurrency", "1,8", "--out", "/home/me/runs/x", "--json"]) == "relay-serve bench --concurrency 1,8 --out DIR --json"
+    assert (
+        recorded_command(["bench", "--concurrency", "1,8", "--out", "/home/me/runs/x", "--json"])
+        == "relay-serve bench --concurrency 1,8 --out DIR --json"
+    )
     assert recorded_command(["bench", "--out=/tmp/a b"]) == "relay-serve bench --out=DIR"

@@ -40,4 +40,3 @@ class EngineLoadPolicy:
         total = float(sum(loads.values()))
         desired = math.ceil(total / self.target_per_replica - 1e-9)
         return desired, {"engine_load": total}
-

@@ -15,7 +15,13 @@ from relay_serve.config import AppConfig
 log = logging.getLogger(__name__)
 
 
-def start(cfg: AppConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None, metrics_port: int | None = None) -> str:
+def start(
+    cfg: AppConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_cpus: int | None = None,
+    metrics_port: int | None = None,
+) -> str:
     """Start Ray (unless connected), Serve and the app; return the base URL once it is ready."""
     from ray import serve
 
@@ -36,8 +42,12 @@ def warm_up(base: str) -> None:
 
     from relay_serve.client import api_headers, chat_body
 
-    r = httpx.post(base + "/v1/chat/completions", json=chat_body("relay", "Start at b3. Follow the map two times.", max_tokens=64),
-                   headers=api_headers(), timeout=600)  # fmt: skip
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json=chat_body("relay", "Start at b3. Follow the map two times.", max_tokens=64),
+        headers=api_headers(),
+        timeout=600,
+    )
     if r.status_code != 200:
         raise RuntimeError(f"the warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 

@@ -78,15 +78,21 @@ class BenchSettings(BaseModel):
         32, ge=1, description="requests per mode, concurrency and round (at least twice the concurrency above 1)"
     )
     rounds: int = Field(3, ge=1, description="every mode at every concurrency once a round")
-    sampling: list[str] = Field(default_factory=lambda: ["greedy", "paper"], description="sampling profiles, each a set of rounds")
+    sampling: list[str] = Field(
+        default_factory=lambda: ["greedy", "paper"], description="sampling profiles, each a set of rounds"
+    )
     seed: int = 0
     max_tokens: int = 256
     spec_tokens: int = Field(
-        8, ge=0, description="large+spec and relay+spec: an app whose large engine drafts up to this many tokens with the small model (0: none)"
+        8,
+        ge=0,
+        description="large+spec and relay+spec: an app whose large engine drafts up to this many tokens with the small "
+        "model (0: none)",
     )
     spec_schedule: list[tuple[int, int, int]] | None = Field(
         default_factory=lambda: list(SPEC_SCHEDULE),
-        description="the draft length by the engine's batch size: (from, to, k) ranges (vLLM's num_speculative_tokens_per_batch_size); "
+        description="the draft length by the engine's batch size: (from, to, k) ranges (vLLM's "
+        "num_speculative_tokens_per_batch_size); "
         "None: spec_tokens at every batch size",
     )
     calibrate: bool = Field(True, description="calibrate the pair's cues first (into the bench's own cue store)")
@@ -157,18 +163,26 @@ class Target(BaseModel):
     app: str | None = None
 
 
-def _bodies(s: BenchSettings, mode: str, model: str, problems: list[Problem], round_: int = 0, sampling: str = "paper") -> list[dict[str, Any]]:
+def _bodies(
+    s: BenchSettings, mode: str, model: str, problems: list[Problem], round_: int = 0, sampling: str = "paper"
+) -> list[dict[str, Any]]:
     """One request per problem; the seeds are the same for every mode of a round and differ
     between rounds (so pass@1 counts every round's samples)."""
     relay_serve = mode != VLLM_MODE
     profile = PROFILES[sampling]
     return [
         chat_body(
-            model, p.problem, max_tokens=s.max_tokens, temperature=profile.temperature, top_p=profile.top_p, top_k=profile.top_k,
-            seed=s.seed + 1000 * round_ + i, relay_trace=True if relay_serve else None,
+            model,
+            p.problem,
+            max_tokens=s.max_tokens,
+            temperature=profile.temperature,
+            top_p=profile.top_p,
+            top_k=profile.top_k,
+            seed=s.seed + 1000 * round_ + i,
+            relay_trace=True if relay_serve else None,
         )
         for i, p in enumerate(problems)
-    ]  # fmt: skip
+    ]
 
 
 async def fire(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[list[dict[str, Any]], float]:
@@ -197,7 +211,7 @@ async def fire(base: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
 def graded(results: list[dict[str, Any]], problems: list[Problem]) -> list[dict[str, Any]]:
     from relay_serve.eval.grading import is_correct
 
-    for r, p in zip(results, problems):
+    for r, p in zip(results, problems, strict=True):
         if "_error" not in r:
             r["_correct"] = is_correct(r["choices"][0]["message"]["content"], p.answer)
     return results
@@ -215,7 +229,9 @@ def spec_counts(app: str | None):
     return SpecDecodeCounts.model_validate(info["spec_decode"]) if info.get("spec_decode") else None
 
 
-def measure(target: Target, mode: str, s: BenchSettings, problems: list[Problem], c: int, round_: int, sampling: str = "paper") -> RunMetrics:
+def measure(
+    target: Target, mode: str, s: BenchSettings, problems: list[Problem], c: int, round_: int, sampling: str = "paper"
+) -> RunMetrics:
     n = s.requests(c)
     chosen = [problems[i % len(problems)] for i in range(n)]
     before = spec_counts(target.app)
@@ -223,7 +239,9 @@ def measure(target: Target, mode: str, s: BenchSettings, problems: list[Problem]
     m = run_metrics(mode, c, round_, graded(results, chosen), wall, sampling=sampling)
     if before is not None:
         d = spec_counts(target.app) - before
-        m.spec = SpecStats(drafts=d.drafts, acceptance_length=_r(d.acceptance_length()), acceptance_rate=_r(d.acceptance_rate()))
+        m.spec = SpecStats(
+            drafts=d.drafts, acceptance_length=_r(d.acceptance_length()), acceptance_rate=_r(d.acceptance_rate())
+        )
     return m
 
 
@@ -252,9 +270,15 @@ class Variant(BaseModel):
 def variants(s: BenchSettings) -> list[Variant]:
     out = []
     if s.compare_resumable:
-        out.append(Variant(mode="relay-per-segment", label="a new engine request per segment", router={"resumable_requests": False}))
+        out.append(
+            Variant(
+                mode="relay-per-segment", label="a new engine request per segment", router={"resumable_requests": False}
+            )
+        )
     if s.compare_transports:
-        out.append(Variant(mode="relay-handle", label="a Ray Serve handle call per segment", router={"transport": "handle"}))
+        out.append(
+            Variant(mode="relay-handle", label="a Ray Serve handle call per segment", router={"transport": "handle"})
+        )
     if s.small_queue_bound is not None:
         label = f"at most {s.small_queue_bound} small-model segments in flight (router.max_small_in_flight)"
         out.append(Variant(mode="relay-bounded", label=label, router={"max_small_in_flight": s.small_queue_bound}))
@@ -293,7 +317,12 @@ def targets(cfg: AppConfig, s: BenchSettings, out: Path, port: int) -> Iterator[
 
 
 def rounds(
-    found: dict[str, Target], s: BenchSettings, problems: list[Problem], progress: bool, desc: str = "bench", sampling: str = "paper"
+    found: dict[str, Target],
+    s: BenchSettings,
+    problems: list[Problem],
+    progress: bool,
+    desc: str = "bench",
+    sampling: str = "paper",
 ) -> list[RunMetrics]:
     """Every mode at every concurrency, ``s.rounds`` times; the order of the modes rotates. A
     mode whose warm-up fails (its engine cannot run this sampling) runs anyway: its refusals are
@@ -304,7 +333,9 @@ def rounds(
     for mode, t in found.items():  # warm up every engine and the prefix caches' empty state
         asyncio.run(fire(t.base, _bodies(s, mode, t.model, problems[:4], sampling=sampling), 4))
     runs = []
-    with tqdm(total=s.rounds * len(s.concurrency) * len(modes), desc=f"{desc} ({sampling})", disable=not progress) as bar:
+    with tqdm(
+        total=s.rounds * len(s.concurrency) * len(modes), desc=f"{desc} ({sampling})", disable=not progress
+    ) as bar:
         for k in range(s.rounds):
             order = modes[k % len(modes) :] + modes[: k % len(modes)]
             for c in s.concurrency:
@@ -314,7 +345,9 @@ def rounds(
     return runs
 
 
-def variant_rounds(cfg: AppConfig, s: BenchSettings, problems: list[Problem], port: int, progress: bool) -> list[RunMetrics]:
+def variant_rounds(
+    cfg: AppConfig, s: BenchSettings, problems: list[Problem], port: int, progress: bool
+) -> list[RunMetrics]:
     """Each variant: its app deployed beside the default one (its name as route prefix), and
     ``s.rounds`` rounds of the two relays interleaved; then the variant app goes (one at a time:
     two apps are four engines)."""
@@ -328,7 +361,10 @@ def variant_rounds(cfg: AppConfig, s: BenchSettings, problems: list[Problem], po
         for v in variants(s):
             variant = cfg.model_copy(deep=True, update={"name": v.mode, "route_prefix": f"/{v.mode}"})
             variant.router = variant.router.model_copy(update=v.router)
-            pair = {f"relay-beside-{v.mode}": Target(base=base, model="relay"), v.mode: Target(base=start(variant, port=port), model="relay")}
+            pair = {
+                f"relay-beside-{v.mode}": Target(base=base, model="relay"),
+                v.mode: Target(base=start(variant, port=port), model="relay"),
+            }
             for sampling in s.sampling:
                 runs += rounds(pair, s, problems, progress, desc=v.mode, sampling=sampling)
             serve.delete(variant.name)
@@ -341,7 +377,9 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU, Python {platform.python_version()}"
 
 
-def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progress: bool = True, command: str = "relay-serve bench") -> BenchReport:
+def run_bench(
+    s: BenchSettings, out: Path, cfg: AppConfig | None = None, progress: bool = True, command: str = "relay-serve bench"
+) -> BenchReport:
     import httpx
     import ray
     from ray import serve
@@ -374,9 +412,13 @@ def run_bench(s: BenchSettings, out: Path, cfg: AppConfig | None = None, progres
         machine=machine(),
         command=command,
         settings=s.model_dump(),
-        pair=PairInfo(large=cfg.large.model, small=cfg.small.model, cue_set_version=cues.get("version"), cues=cues.get("cues", [])),
+        pair=PairInfo(
+            large=cfg.large.model, small=cfg.small.model, cue_set_version=cues.get("version"), cues=cues.get("cues", [])
+        ),
         levels=[
-            level_report(c, [r for r in runs if r.concurrency == c and r.sampling == p]) for p in s.sampling for c in s.concurrency
+            level_report(c, [r for r in runs if r.concurrency == c and r.sampling == p])
+            for p in s.sampling
+            for c in s.concurrency
         ],
         runs=runs,
         variants={v.mode: v.label for v in variants(s)},

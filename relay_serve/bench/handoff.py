@@ -46,17 +46,24 @@ class HandoffReport(BaseModel):
 
     def table(self) -> str:
         lines = [
-            f"{self.model}: decode step {self.decode_step_ms} ms; the small model's sentence: {self.small_tokens} tokens; {self.trials} trials",
+            f"{self.model}: decode step {self.decode_step_ms} ms; the small model's sentence: {self.small_tokens} "
+            f"tokens; {self.trials} trials",
             "",
-            "| resume by | time to first token, median (ms) | mean (ms) | over a decode step (ms) | prompt tokens computed again |",
+            "| resume by | time to first token, median (ms) | mean (ms) | over a decode step (ms) | prompt tokens "
+            "computed again |",
             "|---|---|---|---|---|",
         ]
-        lines += [f"| {m.method} | {m.ttft_ms_median} | {m.ttft_ms_mean} | {m.over_decode_step_ms} | {m.recomputed_tokens} |" for m in self.methods]
+        lines += [
+            f"| {m.method} | {m.ttft_ms_median} | {m.ttft_ms_mean} | {m.over_decode_step_ms} | {m.recomputed_tokens} |"
+            for m in self.methods
+        ]
         lines += ["", f"KV block of 16 tokens: {self.block_16}"]
         return "\n".join(lines)
 
 
-async def _measure(model: str, trials: int, small_tokens: int, stretch: int = 40) -> tuple[float, dict[str, list[tuple[float, int]]]]:
+async def _measure(
+    model: str, trials: int, small_tokens: int, stretch: int = 40
+) -> tuple[float, dict[str, list[tuple[float, int]]]]:
     from relay_serve.config import ModelSettings
     from relay_serve.engine.vllm_engine import VLLMEngine
     from relay_serve.protocol import SamplingSettings, SegmentRequest
@@ -66,7 +73,10 @@ async def _measure(model: str, trials: int, small_tokens: int, stretch: int = 40
     m = ModelSettings(model=model)
     engine = VLLMEngine(m.model_path, m.tokenizer_path, m.engine_args)
     codec = load_codec(m.tokenizer_path)
-    prompts = iter(codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}])) for p in ToyWorld().sample_heldout(3 * trials + 1, seed=5))
+    prompts = iter(
+        codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}]))
+        for p in ToyWorld().sample_heldout(3 * trials + 1, seed=5)
+    )
     rng = random.Random(0)
     vocab = len(engine.token_texts())
     greedy = SamplingSettings(temperature=0.0)
@@ -91,7 +101,9 @@ async def _measure(model: str, trials: int, small_tokens: int, stretch: int = 40
             context = next(prompts)
             first = await plain(context, stretch)
             resumed = await plain(context + first.token_ids + sentence, 4)
-            results["new request"].append((resumed.ttft_s, len(context) + len(first.token_ids) + small_tokens - resumed.cached_tokens))
+            results["new request"].append(
+                (resumed.ttft_s, len(context) + len(first.token_ids) + small_tokens - resumed.cached_tokens)
+            )
             steps.append(first.decode_s / first.decode_steps)
             for method in ("resumable", "resumable, pre-fed"):
                 request = engine.resumable(f"h-{rng.getrandbits(48)}")
@@ -100,7 +112,9 @@ async def _measure(model: str, trials: int, small_tokens: int, stretch: int = 40
                 if method == "resumable":
                     feed = pending + sentence
                 else:
-                    await chunk(request, pending + sentence[:-1], 1)  # while the small model writes; its sample is dropped
+                    await chunk(
+                        request, pending + sentence[:-1], 1
+                    )  # while the small model writes; its sample is dropped
                     feed = sentence[-1:]
                 outs = await chunk(request, feed, 4)
                 results[method].append((outs[-1].ttft_s, len(feed)))
@@ -127,7 +141,9 @@ def _block_16(model: str) -> str:
 def run(model: str = "toy:large-wide", trials: int = 12, small_tokens: int = 9) -> HandoffReport:
     from relay_serve.config import ModelSettings, default_cpu_engine_env
 
-    env = (ModelSettings(model=model).deployment.ray_actor_options.get("runtime_env") or {}).get("env_vars") or default_cpu_engine_env()
+    env = (ModelSettings(model=model).deployment.ray_actor_options.get("runtime_env") or {}).get(
+        "env_vars"
+    ) or default_cpu_engine_env()
     for key, value in env.items():
         os.environ.setdefault(key, value)  # as the model's serving replica runs its engine
     step, results = asyncio.run(_measure(model, trials, small_tokens))
@@ -143,14 +159,26 @@ def run(model: str = "toy:large-wide", trials: int = 12, small_tokens: int = 9) 
                 recomputed_tokens=round(statistics.fmean(n for _, n in rows), 1),
             )
         )
-    return HandoffReport(model=model, small_tokens=small_tokens, trials=trials, decode_step_ms=round(1000 * step, 2), methods=methods, block_16=_block_16(model))
+    return HandoffReport(
+        model=model,
+        small_tokens=small_tokens,
+        trials=trials,
+        decode_step_ms=round(1000 * step, 2),
+        methods=methods,
+        block_16=_block_16(model),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="toy:large-wide", help="a model reference (toy:large-wide, a path, a hub id)")
     p.add_argument("--trials", type=int, default=12)
-    p.add_argument("--small-tokens", type=int, default=9, help="tokens of the small model's sentence (the relay's mean on the toy pair)")
+    p.add_argument(
+        "--small-tokens",
+        type=int,
+        default=9,
+        help="tokens of the small model's sentence (the relay's mean on the toy pair)",
+    )
     p.add_argument("--json", action="store_true", help="the report as one JSON line")
     args = p.parse_args(argv)
     from relay_serve import envs

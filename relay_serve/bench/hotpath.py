@@ -53,7 +53,9 @@ from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRe
 from relay_serve.protocol import EngineChunk, SamplingSettings, SegmentRequest
 from relay_serve.relay.detok import TokenStream
 
-CUES = tuple(CueSettings.model_fields["default_cues"].default_factory())  # the service's default cue set, which the bench serves with
+CUES = tuple(
+    CueSettings.model_fields["default_cues"].default_factory()
+)  # the service's default cue set, which the bench serves with
 
 
 class HotpathReport(BaseModel):
@@ -109,7 +111,9 @@ class InstantEngine(Engine):
         return self.codec.stream(context)
 
     def info(self) -> EngineInfo:
-        return EngineInfo(model="instant", max_model_len=self.max_model_len, tokenizer_fingerprint=self.codec.fingerprint)
+        return EngineInfo(
+            model="instant", max_model_len=self.max_model_len, tokenizer_fingerprint=self.codec.fingerprint
+        )
 
     async def check_health(self) -> None:
         pass
@@ -268,7 +272,9 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
     for _ in range(lists):  # sentences of vocabulary words cut at 64 characters; a quarter end in ", " (looked ahead)
         words = [t.strip() for t in rng.sample(texts[1000:-100], 16 * 16)]
         long = tuple(
-            (" ".join(words[16 * k : 16 * k + 16])[:62] + ", ") if k % 4 == 0 else " ".join(words[16 * k : 16 * k + 16])[:64]
+            (" ".join(words[16 * k : 16 * k + 16])[:62] + ", ")
+            if k % 4 == 0
+            else " ".join(words[16 * k : 16 * k + 16])[:64]
             for k in range(16)
         )
         t0 = time.perf_counter()
@@ -289,7 +295,8 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
     texts = list(synthetic_vocab())
     build_s, index_ms, scan_ms, long_ms = pause_ids_cost(texts)
     progress(
-        f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} ms); "
+        f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} "
+        "ms); "
         f"of 16 stops of 64 characters {long_ms:.2f} ms"
     )
     work = Path(tempfile.mkdtemp(prefix="relay-hotpath-"))
@@ -297,7 +304,10 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
     codec = load_codec(str(tok_dir))
     longest = max(contexts.values()) + tokens + 512
     engine_args = {"max_model_len": longest}
-    models = {role: {"model": f"hotpath/{role}", "tokenizer": str(tok_dir), "engine_args": engine_args} for role in ("large", "small")}
+    models = {
+        role: {"model": f"hotpath/{role}", "tokenizer": str(tok_dir), "engine_args": engine_args}
+        for role in ("large", "small")
+    }
     cfg = {
         "name": "hotpath",
         **models,
@@ -310,7 +320,10 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         _TRACES[tuple(trace[:_KEY])] = trace
         prompts[label] = prompt
     replicas = _ReplicaThread()
-    servers = {role: replicas.run(lambda role=role: ModelServer(role, models[role], engine_cls=InstantEngine)) for role in models}
+    servers = {
+        role: replicas.run(lambda role=role: ModelServer(role, models[role], engine_cls=InstantEngine))
+        for role in models
+    }
     backend = ServeBackend(_Handle(servers["large"], replicas), _Handle(servers["small"], replicas))
     router = RelayRouter(cfg, backend=backend)
 
@@ -323,7 +336,9 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
             raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
         return r1 - r0, p1 - p0, resp.json()["usage"]
 
-    per: dict[str, dict[str, float]] = {k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize")}
+    per: dict[str, dict[str, float]] = {
+        k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize")
+    }
     for label, prompt in prompts.items():
         times = []
         for _ in range(repeats):
@@ -344,14 +359,20 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
                             measured[label].append(run)
                 for label, runs in measured.items():
                     per["switches"][label] = statistics.median(u["relay"]["switches"] for _, _, u in runs)
-                    per["switch"][label] = statistics.median(r / max(1, u["relay"]["switches"]) for r, _, u in runs) * 1e3
-                    per["segment"][label] = statistics.median(p / max(1, u["relay"]["segments"]) for _, p, u in runs) * 1e3
+                    per["switch"][label] = (
+                        statistics.median(r / max(1, u["relay"]["switches"]) for r, _, u in runs) * 1e3
+                    )
+                    per["segment"][label] = (
+                        statistics.median(p / max(1, u["relay"]["segments"]) for _, p, u in runs) * 1e3
+                    )
                     per["router_tok"][label] = statistics.median(r / u["completion_tokens"] for r, _, u in runs) * 1e6
                     per["replica_tok"][label] = statistics.median(p / u["completion_tokens"] for _, p, u in runs) * 1e6
                     progress(
-                        f"context {label}: {per['switches'][label]:.0f} switches a request; router {per['switch'][label]:.2f} ms "
+                        f"context {label}: {per['switches'][label]:.0f} switches a request; router "
+                        f"{per['switch'][label]:.2f} ms "
                         f"CPU a switch, replicas {per['segment'][label]:.2f} ms CPU a segment; per token "
-                        f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us; the prompt's tokenization "
+                        f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us; the prompt's "
+                        "tokenization "
                         f"{per['tokenize'][label]:.1f} ms a request"
                     )
         finally:
@@ -397,7 +418,9 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     parser = argparse.ArgumentParser(prog="python -m relay_serve.bench.hotpath", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=parse_contexts, default=parse_contexts("1k,8k,32k"), help="prompt sizes, e.g. 1k,8k,32k")
+    parser.add_argument(
+        "--contexts", type=parse_contexts, default=parse_contexts("1k,8k,32k"), help="prompt sizes, e.g. 1k,8k,32k"
+    )
     parser.add_argument("--tokens", type=int, default=512, help="tokens generated a request")
     parser.add_argument("--repeats", type=int, default=3, help="requests measured at each context (after one warm-up)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on the last line")

@@ -66,8 +66,15 @@ def _in_store(source: str) -> str:
     return "versions/" + rest if sep else source
 
 
-def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 3, concurrency: int = 8,
-             target: list[str] | None = None, progress: bool = True) -> tuple[list[Round], int | None]:  # fmt: skip
+def converge(
+    base: str,
+    per_round: int = 16,
+    max_rounds: int = 30,
+    after: int = 3,
+    concurrency: int = 8,
+    target: list[str] | None = None,
+    progress: bool = True,
+) -> tuple[list[Round], int | None]:
     """Rounds of ``per_round`` toy relay requests against ``base`` until the active set is
     ``target`` (the easy cues) and ``after`` more rounds ran, or ``max_rounds``."""
     from relay_serve.eval.runner import EvalSettings, run_eval
@@ -77,7 +84,9 @@ def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 
     converged_after: int | None = None
     work = Path(tempfile.mkdtemp(prefix="relay-converge-"))
     for i in range(max_rounds):
-        s = EvalSettings(dataset="toy", mode="relay", n=per_round, seed=1000 + i, concurrency=concurrency, max_tokens=400)
+        s = EvalSettings(
+            dataset="toy", mode="relay", n=per_round, seed=1000 + i, concurrency=concurrency, max_tokens=400
+        )
         summary = run_eval(s, base, work / f"round-{i}.jsonl", progress=False)
         cues = httpx.get(base + "/v1/relay/cues", timeout=30).json()
         shared = ((cues.get("online") or {}).get("shared") or {}) if isinstance(cues.get("online"), dict) else {}
@@ -93,8 +102,11 @@ def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 
         )
         rounds.append(row)
         if progress:
-            print(f"round {i}: {row.served} served, pass@1 {row.pass_at_1:.3f}, small share {row.small_token_share:.3f}, "
-                  f"active {row.active_version} {row.active_cues}", flush=True)  # fmt: skip
+            print(
+                f"round {i}: {row.served} served, pass@1 {row.pass_at_1:.3f}, small share {row.small_token_share:.3f}, "
+                f"active {row.active_version} {row.active_cues}",
+                flush=True,
+            )
         if converged_after is None and set(row.active_cues) == set(target):
             converged_after = row.served
         if converged_after is not None and row.served >= converged_after + after * per_round:
@@ -102,10 +114,22 @@ def converge(base: str, per_round: int = 16, max_rounds: int = 30, after: int = 
     return rounds, converged_after
 
 
-def summarize(rounds: list[Round], converged_after: int | None, relay_pass_at_1: float | None, large_pass_at_1: float,
-              start: list[str], target: list[str]) -> Convergence:  # fmt: skip
-    return Convergence(rounds=rounds, converged_after=converged_after, recovered_pass_at_1=relay_pass_at_1,
-                       large_pass_at_1=large_pass_at_1, start_cues=start, target_cues=target)  # fmt: skip
+def summarize(
+    rounds: list[Round],
+    converged_after: int | None,
+    relay_pass_at_1: float | None,
+    large_pass_at_1: float,
+    start: list[str],
+    target: list[str],
+) -> Convergence:
+    return Convergence(
+        rounds=rounds,
+        converged_after=converged_after,
+        recovered_pass_at_1=relay_pass_at_1,
+        large_pass_at_1=large_pass_at_1,
+        start_cues=start,
+        target_cues=target,
+    )
 
 
 def final_pass_at_1(base: str, n: int = 96, seed: int = 5000, concurrency: int = 8) -> tuple[float, float]:
@@ -133,16 +157,30 @@ def plot(c: Convergence, path: Path) -> None:
     ax.plot(x, [r.small_token_share for r in c.rounds], marker="s", label="small-model token share")
     ax.axhline(c.large_pass_at_1, color="grey", linestyle="--", label=f"large pass@1 ({c.large_pass_at_1:.3f})")
     if c.converged_after is not None:
-        ax.axvline(c.converged_after, color="green", linestyle=":", label=f"easy cues active ({c.converged_after} generations)")
+        ax.axvline(
+            c.converged_after, color="green", linestyle=":", label=f"easy cues active ({c.converged_after} generations)"
+        )
     previous = None
     for r in c.rounds:  # each newly active set, written where it was first seen
         if r.active_version != previous:
-            ax.annotate(" ".join(r.active_cues), (r.served, 0.03), xytext=(3, 0), textcoords="offset points", rotation=90,
-                        fontsize=7, color="dimgrey", ha="left", va="bottom")
+            ax.annotate(
+                " ".join(r.active_cues),
+                (r.served, 0.03),
+                xytext=(3, 0),
+                textcoords="offset points",
+                rotation=90,
+                fontsize=7,
+                color="dimgrey",
+                ha="left",
+                va="bottom",
+            )
             previous = r.active_version
     ax.set_xlabel("relay generations served")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"Online cue calibration on the toy pair: from {' '.join(c.start_cues)} to {' '.join(c.target_cues)}", fontsize=10)
+    ax.set_title(
+        f"Online cue calibration on the toy pair: from {' '.join(c.start_cues)} to {' '.join(c.target_cues)}",
+        fontsize=10,
+    )
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -163,8 +201,13 @@ class CostRow(BaseModel):
     pass_at_1: float
 
 
-def scoring_cost(bases: dict[str, str], rates: dict[str, tuple[float, float]], rounds: int = 3, per_round: int = 32,
-                 concurrency: int = 8) -> list[CostRow]:  # fmt: skip
+def scoring_cost(
+    bases: dict[str, str],
+    rates: dict[str, tuple[float, float]],
+    rounds: int = 3,
+    per_round: int = 32,
+    concurrency: int = 8,
+) -> list[CostRow]:
     """Relay latency with online calibration off and on, side by side: each round runs the same
     toy problems on every app (``bases``: setting -> URL), in a rotating order."""
     import json
@@ -177,8 +220,10 @@ def scoring_cost(bases: dict[str, str], rates: dict[str, tuple[float, float]], r
     passed: dict[str, list[float]] = {k: [] for k in bases}
     names = list(bases)
     for i in range(rounds):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            s = EvalSettings(dataset="toy", mode="relay", n=per_round, seed=2000 + i, concurrency=concurrency, max_tokens=400)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            s = EvalSettings(
+                dataset="toy", mode="relay", n=per_round, seed=2000 + i, concurrency=concurrency, max_tokens=400
+            )
             path = work / f"{name}-{i}.jsonl"
             summary = run_eval(s, bases[name], path, progress=False)
             latencies[name] += [json.loads(line)["latency_s"] for line in path.read_text().splitlines() if line.strip()]
@@ -186,7 +231,15 @@ def scoring_cost(bases: dict[str, str], rates: dict[str, tuple[float, float]], r
     rows = []
     for name in names:
         q = statistics.quantiles(latencies[name], n=10)
-        rows.append(CostRow(setting=name, sample_rate=rates[name][0], explore_rate=rates[name][1], requests=len(latencies[name]),
-                            latency_p50_s=statistics.median(latencies[name]), latency_p90_s=q[8],
-                            pass_at_1=statistics.fmean(passed[name])))  # fmt: skip
+        rows.append(
+            CostRow(
+                setting=name,
+                sample_rate=rates[name][0],
+                explore_rate=rates[name][1],
+                requests=len(latencies[name]),
+                latency_p50_s=statistics.median(latencies[name]),
+                latency_p90_s=q[8],
+                pass_at_1=statistics.fmean(passed[name]),
+            )
+        )
     return rows

@@ -60,7 +60,9 @@ class HandoffCost(BaseModel):
     """One model's segments after a handoff (every engine request of a relay generation but its
     first), inside the engine."""
 
-    resumed_per_request: float = Field(description="engine requests of this model after the generation's first, per request")
+    resumed_per_request: float = Field(
+        description="engine requests of this model after the generation's first, per request"
+    )
     ttft_ms: float | None = Field(None, description="mean time from the engine's receipt to the first token")
     decode_ms: float | None = Field(None, description="the model's decode step in the same run, for comparison")
     recomputed_tokens: float | None = Field(None, description="mean prompt tokens not served from the prefix cache")
@@ -84,7 +86,9 @@ class RunMetrics(BaseModel):
     sampling: str = Field("paper", description="the sampling profile: greedy or paper")
     requests: int
     errors: int
-    refused: int = Field(0, description="of the errors, requests the service refused (HTTP 4xx): a setting the mode cannot run")
+    refused: int = Field(
+        0, description="of the errors, requests the service refused (HTTP 4xx): a setting the mode cannot run"
+    )
     first_error: str | None = None
     latency_p50_s: float | None
     latency_p90_s: float | None
@@ -97,16 +101,26 @@ class RunMetrics(BaseModel):
     cached_prompt_token_ratio: float | None = None
     router_overhead_per_switch_ms_p50: float | None = None
     decode_ms_per_token: dict[str, float] = Field(default_factory=dict, description="in-engine decode cost per model")
-    ideal_s_per_token: float | None = Field(None, description="committed tokens at their model's decode cost, per token")
+    ideal_s_per_token: float | None = Field(
+        None, description="committed tokens at their model's decode cost, per token"
+    )
     handoff: dict[str, HandoffCost] = Field(default_factory=dict)
-    split_ms: dict[str, float] | None = Field(None, description="a request's mean time: decode, handoffs, router, outside")
-    false_stops_per_request: float | None = Field(None, description="segments ended on a cue's stop string where no cue was")
-    pauses_per_request: float | None = Field(None, description="pauses of resumable requests on a possible stop that was none")
+    split_ms: dict[str, float] | None = Field(
+        None, description="a request's mean time: decode, handoffs, router, outside"
+    )
+    false_stops_per_request: float | None = Field(
+        None, description="segments ended on a cue's stop string where no cue was"
+    )
+    pauses_per_request: float | None = Field(
+        None, description="pauses of resumable requests on a possible stop that was none"
+    )
     degraded_requests: int = 0
     kept_on_large_per_request: float = 0.0
     auto_relay_share: float | None = Field(None, description="auto: the share of requests it ran as relay")
     spec: SpecStats | None = None
-    texts: list[str] = Field(default_factory=list, description="a digest of each request's text, in request order ('' when it failed)")
+    texts: list[str] = Field(
+        default_factory=list, description="a digest of each request's text, in request order ('' when it failed)"
+    )
 
 
 def _content(response: dict[str, Any]) -> str:
@@ -238,7 +252,9 @@ class ModeSummary(BaseModel):
     handoffs_ms: Spread = Field(description="a request's time inside the engines beyond its tokens' decode cost")
     kept_on_large_per_request: Spread
     decode_ms_per_token: dict[str, Spread]
-    spec_acceptance_length: Spread = Field(default_factory=Spread, description="a speculative engine's mean tokens a step")
+    spec_acceptance_length: Spread = Field(
+        default_factory=Spread, description="a speculative engine's mean tokens a step"
+    )
     spec_acceptance_rate: Spread = Field(default_factory=Spread)
     auto_relay_share: Spread = Field(default_factory=Spread, description="auto: the share of requests it ran as relay")
 
@@ -269,9 +285,12 @@ class LevelReport(BaseModel):
     cost_ratio: Spread = Field(description="large's in-engine decode cost per token over small's (each model alone)")
     relay_split_ms: dict[str, Spread] = Field(default_factory=dict)
     relay_handoff: dict[str, HandoffCost] = Field(default_factory=dict, description="the median round's")
-    speedups: dict[str, Speedup] = Field(default_factory=dict, description="each relay mode against its single-model mode (PAIRS)")
+    speedups: dict[str, Speedup] = Field(
+        default_factory=dict, description="each relay mode against its single-model mode (PAIRS)"
+    )
     same_text: dict[str, float] = Field(
-        default_factory=dict, description="greedy: of requests both modes answered, the share whose texts are identical ('a=b')"
+        default_factory=dict,
+        description="greedy: of requests both modes answered, the share whose texts are identical ('a=b')",
     )
 
     def best(self, modes: list[str] | None = None) -> str | None:
@@ -330,9 +349,18 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
         large, small = one("large", k), one("small", k)
         if large and small and "large" in large.decode_ms_per_token and "small" in small.decode_ms_per_token:
             cost.append(large.decode_ms_per_token["large"] / small.decode_ms_per_token["small"])
-    relay = speedups.get("relay") or Speedup(over="large", speedup=Spread(), ideal=Spread(), achieved_over_ideal=Spread(), measurement_error=False)
+    relay = speedups.get("relay") or Speedup(
+        over="large", speedup=Spread(), ideal=Spread(), achieved_over_ideal=Spread(), measurement_error=False
+    )
     relay_runs = [r for r in by_mode.get("relay", []) if r.split_ms]
-    split = {key: Spread.of([r.split_ms[key] for r in relay_runs], 2) for key in ("decode", "handoffs", "router", "outside")} if relay_runs else {}
+    split = (
+        {
+            key: Spread.of([r.split_ms[key] for r in relay_runs], 2)
+            for key in ("decode", "handoffs", "router", "outside")
+        }
+        if relay_runs
+        else {}
+    )
     median_run = sorted(relay_runs, key=lambda r: r.s_per_token or 0.0)[len(relay_runs) // 2] if relay_runs else None
     return LevelReport(
         concurrency=concurrency,
@@ -346,7 +374,11 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
         relay_split_ms=split,
         relay_handoff=median_run.handoff if median_run else {},
         speedups=speedups,
-        same_text={f"{a}={b}": share for a, b in SAME_TEXT if (share := _same_text(by_mode.get(a, []), by_mode.get(b, []))) is not None},
+        same_text={
+            f"{a}={b}": share
+            for a, b in SAME_TEXT
+            if (share := _same_text(by_mode.get(a, []), by_mode.get(b, []))) is not None
+        },
     )
 
 
@@ -377,7 +409,7 @@ def _same_text(a: list[RunMetrics], b: list[RunMetrics]) -> float | None:
         for ra in a
         for rb in b
         if ra.round == rb.round and ra.sampling == rb.sampling == "greedy"
-        for x, y in zip(ra.texts, rb.texts)
+        for x, y in zip(ra.texts, rb.texts, strict=False)
         if x and y
     ]
     return round(sum(1 for x, y in pairs if x == y) / len(pairs), 4) if pairs else None
@@ -398,10 +430,14 @@ class BenchReport(BaseModel):
     pair: PairInfo
     levels: list[LevelReport]
     runs: list[RunMetrics]
-    variants: dict[str, str] = Field(default_factory=dict, description="relay modes on apps that differ in one setting: what differs")
+    variants: dict[str, str] = Field(
+        default_factory=dict, description="relay modes on apps that differ in one setting: what differs"
+    )
 
     def level(self, concurrency: int, sampling: str | None = None) -> LevelReport:
-        return next(lv for lv in self.levels if lv.concurrency == concurrency and (sampling is None or lv.sampling == sampling))
+        return next(
+            lv for lv in self.levels if lv.concurrency == concurrency and (sampling is None or lv.sampling == sampling)
+        )
 
     def profiles(self) -> list[str]:
         """The sampling profiles, in the order they ran."""
@@ -424,12 +460,20 @@ class BenchReport(BaseModel):
 
         def modes(lv: LevelReport) -> dict[str, dict[str, float | None]]:
             return {
-                mode: {"p50_s": s.latency_p50_s.median, "tok_s": s.output_tokens_per_s.median, "pass_at_1": pass1(lv, mode)}
+                mode: {
+                    "p50_s": s.latency_p50_s.median,
+                    "tok_s": s.output_tokens_per_s.median,
+                    "pass_at_1": pass1(lv, mode),
+                }
                 for mode, s in lv.modes.items()
             }
 
         def acceptance(lv: LevelReport) -> float | None:
-            found = [s.spec_acceptance_length.median for s in lv.modes.values() if s.spec_acceptance_length.median is not None]
+            found = [
+                s.spec_acceptance_length.median
+                for s in lv.modes.values()
+                if s.spec_acceptance_length.median is not None
+            ]
             return round(statistics.median(found), 3) if found else None
 
         return {
@@ -447,7 +491,9 @@ class BenchReport(BaseModel):
                     "relay_p50_s": p50(lv, "relay"),
                     "large_p50_s": p50(lv, "large"),
                     "vllm_large_p50_s": p50(lv, "vllm-large"),
-                    "router_overhead_per_switch_ms": lv.modes["relay"].router_overhead_per_switch_ms_p50.median if "relay" in lv.modes else None,
+                    "router_overhead_per_switch_ms": lv.modes["relay"].router_overhead_per_switch_ms_p50.median
+                    if "relay" in lv.modes
+                    else None,
                     "modes": modes(lv),
                     "spec_acceptance_length": acceptance(lv),
                 }

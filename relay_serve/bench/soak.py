@@ -37,8 +37,14 @@ def _body(rng: random.Random, prompt: str, s: SoakSettings) -> dict[str, Any]:
     mode = rng.choices(["relay", "large", "small", "speculative-thinking"], weights=[7, 1, 1, 1])[0]
     paper = PaperSampling()
     return chat_body(
-        mode, prompt, max_tokens=s.max_tokens, temperature=paper.temperature, top_p=paper.top_p, top_k=paper.top_k,
-        seed=rng.randrange(2**31), stream=True if rng.random() < 0.7 else None,
+        mode,
+        prompt,
+        max_tokens=s.max_tokens,
+        temperature=paper.temperature,
+        top_p=paper.top_p,
+        top_k=paper.top_k,
+        seed=rng.randrange(2**31),
+        stream=True if rng.random() < 0.7 else None,
     )
 
 
@@ -164,7 +170,9 @@ def failed_checks(errors: int, after: dict[str, Any]) -> list[str]:
         f"{errors} requests failed": errors == 0,
         f"{after.get('in_flight')} generations still in flight": after.get("in_flight") == 0,
         f"{after.get('affinity_sessions')} sessions still pinned to replicas": after.get("affinity_sessions") == 0,
-        f"segments still in flight: {after.get('segments_in_flight')}": not any((after.get("segments_in_flight") or {}).values()),
+        f"segments still in flight: {after.get('segments_in_flight')}": not any(
+            (after.get("segments_in_flight") or {}).values()
+        ),
         f"{after.get('idle_leases')} idle leases did not expire": not after.get("idle_leases"),
     }
     return [what for what, ok in checks.items() if not ok]

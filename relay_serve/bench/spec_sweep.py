@@ -31,7 +31,9 @@ SAMPLED = {"temperature": 0.6, "top_p": 0.95}
 class BatchFigures(BaseModel):
     batch: int
     tok_s: float
-    acceptance_length: float | None = Field(description="mean tokens a speculative step wrote; None without speculation")
+    acceptance_length: float | None = Field(
+        description="mean tokens a speculative step wrote; None without speculation"
+    )
     same_text_as_k0: float = Field(description="share of the answers identical to the engine's without speculation")
     pass_at_1: float
 
@@ -69,7 +71,7 @@ class SweepReport(BaseModel):
         sizes = sorted(b.batch for b in self.ks[0].batches)
         ends = [n - 1 for n in sizes[1:]] + [1 << 16]
         out: list[list[int]] = []
-        for lo, hi in zip(sizes, ends):
+        for lo, hi in zip(sizes, ends, strict=False):
             k = self.best_k(lo)
             if out and out[-1][2] == k:
                 out[-1][1] = hi
@@ -90,7 +92,8 @@ class SweepReport(BaseModel):
         base = {b.batch: b.tok_s for b in self.ks[0].batches}
         for d in self.ks:
             cells = " | ".join(
-                f"{b.tok_s:g} ({b.tok_s / base[b.batch]:.2f}x), {b.acceptance_length if b.acceptance_length is None else round(b.acceptance_length, 2)}, "
+                f"{b.tok_s:g} ({b.tok_s / base[b.batch]:.2f}x), "
+                f"{b.acceptance_length if b.acceptance_length is None else round(b.acceptance_length, 2)}, "
                 f"{b.same_text_as_k0:.2f}"
                 for b in d.batches
             )
@@ -98,7 +101,8 @@ class SweepReport(BaseModel):
             lines.append(f"| {d.k} | {cells} | {d.batches[0].pass_at_1:.3f} | {sampled} |")
         lines += [
             "",
-            "k to serve (the shortest exact one within 2% of the fastest): " + ", ".join(f"batch {b}: {self.best_k(b)}" for b in batches),
+            "k to serve (the shortest exact one within 2% of the fastest): "
+            + ", ".join(f"batch {b}: {self.best_k(b)}" for b in batches),
             f"As a schedule (speculative_config.num_speculative_tokens_per_batch_size): {json.dumps(self.schedule())}",
             "",
             f"Resumable request: {self.resumable}",
@@ -113,7 +117,11 @@ def _engine(model: str, draft: str, k: int):
     m = ModelSettings(model=model)
     args = m.resolved_engine_args
     if k:
-        args["speculative_config"] = {"method": "draft_model", "model": resolve_model(draft), "num_speculative_tokens": k}
+        args["speculative_config"] = {
+            "method": "draft_model",
+            "model": resolve_model(draft),
+            "num_speculative_tokens": k,
+        }
     return OfflineEngine(m.model_path, {**args, "disable_log_stats": False})
 
 
@@ -124,8 +132,17 @@ def _accepted(engine) -> tuple[float, float]:
     return (float(drafts.value) if drafts else 0.0), (float(accepted.value) if accepted else 0.0)
 
 
-def sweep_k(model: str, draft: str, k: int, batches: list[int], prompts: list[list[int]], answers: list[str], max_tokens: int,
-            sampled: bool, reference: dict[int, list[str]] | None) -> tuple[DraftLength, dict[int, list[str]]]:  # fmt: skip
+def sweep_k(
+    model: str,
+    draft: str,
+    k: int,
+    batches: list[int],
+    prompts: list[list[int]],
+    answers: list[str],
+    max_tokens: int,
+    sampled: bool,
+    reference: dict[int, list[str]] | None,
+) -> tuple[DraftLength, dict[int, list[str]]]:
     from relay_serve.config import ModelSettings
     from relay_serve.eval.grading import is_correct
     from relay_serve.tokenizer import load_codec
@@ -138,7 +155,11 @@ def sweep_k(model: str, draft: str, k: int, batches: list[int], prompts: list[li
         for b in batches:
             d0, a0 = _accepted(engine)
             t0 = time.perf_counter()
-            out = [ids for i in range(0, len(prompts), b) for ids in engine.generate(prompts[i : i + b], max_tokens=max_tokens)]
+            out = [
+                ids
+                for i in range(0, len(prompts), b)
+                for ids in engine.generate(prompts[i : i + b], max_tokens=max_tokens)
+            ]
             wall = time.perf_counter() - t0
             d1, a1 = _accepted(engine)
             texts[b] = [codec.decode(ids) for ids in out]
@@ -148,15 +169,23 @@ def sweep_k(model: str, draft: str, k: int, batches: list[int], prompts: list[li
                     batch=b,
                     tok_s=round(sum(len(ids) for ids in out) / wall, 1),
                     acceptance_length=1 + (a1 - a0) / (d1 - d0) if d1 > d0 else None,
-                    same_text_as_k0=round(sum(x == y for x, y in zip(texts[b], same)) / len(same), 4),
-                    pass_at_1=round(sum(is_correct(t, a) for t, a in zip(texts[b], answers)) / len(answers), 4),
+                    same_text_as_k0=round(sum(x == y for x, y in zip(texts[b], same, strict=False)) / len(same), 4),
+                    pass_at_1=round(
+                        sum(is_correct(t, a) for t, a in zip(texts[b], answers, strict=True)) / len(answers), 4
+                    ),
                 )
             )
         result = DraftLength(k=k, batches=figures)
         if sampled:
             b = max(batches)
-            out = [ids for i in range(0, len(prompts), b) for ids in engine.generate(prompts[i : i + b], max_tokens=max_tokens, seed=0, **SAMPLED)]
-            result.sampled_pass_at_1 = round(sum(is_correct(codec.decode(ids), a) for ids, a in zip(out, answers)) / len(answers), 4)
+            out = [
+                ids
+                for i in range(0, len(prompts), b)
+                for ids in engine.generate(prompts[i : i + b], max_tokens=max_tokens, seed=0, **SAMPLED)
+            ]
+            result.sampled_pass_at_1 = round(
+                sum(is_correct(codec.decode(ids), a) for ids, a in zip(out, answers, strict=True)) / len(answers), 4
+            )
             result.sampled_tokens = sum(len(ids) for ids in out)
     return result, texts
 
@@ -184,10 +213,19 @@ async def resumable_probe(model: str, draft: str, k: int) -> str:
     engine = VLLMEngine(m.model_path, m.tokenizer_path, {**m.engine_args, "speculative_config": spec})
     engine._resumable = True  # what relay-serve refuses to do: try it
     codec = load_codec(m.tokenizer_path)
-    prompt = codec.encode(codec.render_chat([{"role": "user", "content": ToyWorld().sample_heldout(1, seed=3)[0].prompt}]))
+    prompt = codec.encode(
+        codec.render_chat([{"role": "user", "content": ToyWorld().sample_heldout(1, seed=3)[0].prompt}])
+    )
     session = EngineSession(engine, "probe", PauseTokens(engine.token_texts()))
-    req = SegmentRequest(model="large", prompt_token_ids=prompt, max_tokens=64, stop=list(SENTENCE_STOPS), session_id="probe",
-                         sampling=SamplingSettings(temperature=0.0), resume=True)  # fmt: skip
+    req = SegmentRequest(
+        model="large",
+        prompt_token_ids=prompt,
+        max_tokens=64,
+        stop=list(SENTENCE_STOPS),
+        session_id="probe",
+        sampling=SamplingSettings(temperature=0.0),
+        resume=True,
+    )
     try:
         out = [c async for c in session.segment(req, stream=False)][-1]
         return f"works ({len(out.token_ids)} tokens, {out.pauses} pauses)"
@@ -198,16 +236,24 @@ async def resumable_probe(model: str, draft: str, k: int) -> str:
 
 
 def probe_resumable(model: str, draft: str, k: int) -> str:
-    proc = subprocess.run([sys.executable, "-c", RESUMABLE_PROBE, model, draft, str(k)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RESUMABLE_PROBE, model, draft, str(k)], capture_output=True, text=True, timeout=600
+    )
     result = next((line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result is not None and result.startswith("fails"):
-        cause = next((line.split("] ", 1)[-1] for line in proc.stderr.splitlines() if "Error" in line and "core.py" in line), "")
-        assert_line = next((line.split("] ", 1)[-1].strip() for line in proc.stderr.splitlines() if "assert " in line), "")
+        cause = next(
+            (line.split("] ", 1)[-1] for line in proc.stderr.splitlines() if "Error" in line and "core.py" in line), ""
+        )
+        assert_line = next(
+            (line.split("] ", 1)[-1].strip() for line in proc.stderr.splitlines() if "assert " in line), ""
+        )
         return f"{result}; the engine core died: {assert_line or cause}".strip()
     return result or f"the probe ended with status {proc.returncode} and no result"
 
 
-def run(model: str, draft: str, ks: list[int], batches: list[int], n: int, max_tokens: int, sampled: bool, resumable: bool) -> SweepReport:
+def run(
+    model: str, draft: str, ks: list[int], batches: list[int], n: int, max_tokens: int, sampled: bool, resumable: bool
+) -> SweepReport:
     from relay_serve.config import ModelSettings
     from relay_serve.eval.datasets import load_problems
     from relay_serve.tokenizer import load_codec
@@ -223,7 +269,9 @@ def run(model: str, draft: str, ks: list[int], batches: list[int], n: int, max_t
         d, texts = sweep_k(model, draft, k, batches, prompts, answers, max_tokens, sampled, reference)
         reference = reference or texts
         found.append(d)
-        print(f"k={k}: " + ", ".join(f"batch {b.batch} {b.tok_s} tok/s" for b in d.batches), file=sys.stderr, flush=True)
+        print(
+            f"k={k}: " + ", ".join(f"batch {b.batch} {b.tok_s} tok/s" for b in d.batches), file=sys.stderr, flush=True
+        )
     probe = probe_resumable(model, draft, max(ks)) if resumable and max(ks) > 0 else "not tried"
     return SweepReport(model=model, draft=draft, problems=n, ks=found, resumable=probe)
 
@@ -243,10 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="the report as the last line, one JSON object")
     args = p.parse_args(argv)
     envs.route_vllm_logs_to_stderr()
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}.items():  # as the model deployments run
+    for key, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": "1",
+    }.items():  # as the model deployments run
         os.environ.setdefault(key, value)
-    report = run(args.model, args.draft, [int(k) for k in args.ks.split(",")], [int(b) for b in args.batch.split(",")],
-                 args.n, args.max_tokens, not args.no_sampled, not args.no_resumable)  # fmt: skip
+    report = run(
+        args.model,
+        args.draft,
+        [int(k) for k in args.ks.split(",")],
+        [int(b) for b in args.batch.split(",")],
+        args.n,
+        args.max_tokens,
+        not args.no_sampled,
+        not args.no_resumable,
+    )
     print(report.model_dump_json() if args.json else report.table(), flush=True)
 
 

@@ -39,7 +39,13 @@ class VLLMServer:
     manager that starts it, waits until it answers ``/health`` and stops it."""
 
     def __init__(
-        self, model: ModelSettings, port: int, served_name: str = "large", host: str = "127.0.0.1", log: Path | None = None, startup_timeout_s: float = 600.0
+        self,
+        model: ModelSettings,
+        port: int,
+        served_name: str = "large",
+        host: str = "127.0.0.1",
+        log: Path | None = None,
+        startup_timeout_s: float = 600.0,
     ) -> None:
         self.model = model
         self.port = port
@@ -56,11 +62,21 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model.model_path, "--tokenizer", self.model.tokenizer_path, "--served-model-name", self.served_name,
-            "--host", self.host, "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model.model_path,
+            "--tokenizer",
+            self.model.tokenizer_path,
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
             *engine_cli_args(self.model.resolved_engine_args),
-        ]  # fmt: skip
+        ]
 
     def env(self) -> dict[str, str]:
         runtime_env = self.model.deployment.ray_actor_options.get("runtime_env") or {}
@@ -75,7 +91,9 @@ class VLLMServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 self.__exit__(None, None, None)
-                raise RuntimeError(f"vLLM's server exited with status {self._proc.returncode} while starting (log: {self.log})")
+                raise RuntimeError(
+                    f"vLLM's server exited with status {self._proc.returncode} while starting (log: {self.log})"
+                )
             try:
                 if httpx.get(self.base + "/health", timeout=2).status_code == 200:
                     return self

@@ -4,10 +4,30 @@ with and without a comma and in both cases."""
 from __future__ import annotations
 
 DISCOURSE_WORDS = (
-    "So", "Thus", "Therefore", "Hence", "But", "However", "Wait", "Hmm", "Now", "Next",
-    "First", "Then", "Also", "Alternatively", "Actually", "Okay", "Well", "Finally",
-    "Similarly", "Again", "Maybe", "Perhaps", "Instead",
-)  # fmt: skip
+    "So",
+    "Thus",
+    "Therefore",
+    "Hence",
+    "But",
+    "However",
+    "Wait",
+    "Hmm",
+    "Now",
+    "Next",
+    "First",
+    "Then",
+    "Also",
+    "Alternatively",
+    "Actually",
+    "Okay",
+    "Well",
+    "Finally",
+    "Similarly",
+    "Again",
+    "Maybe",
+    "Perhaps",
+    "Instead",
+)
 
 
 def default_candidates() -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -71,9 +71,8 @@ class CueSet(BaseModel):
 def manual_cue_set(pair: ModelPair, cues: list[str], version: str | None = None) -> CueSet:
     """A set an operator chose (no statistics behind it): ``source: manual``."""
     import uuid
-    from datetime import timezone
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     return CueSet(
         version=version or now.strftime("%Y%m%dT%H%M%S") + "-manual-" + uuid.uuid4().hex[:6],
         pair=pair,
@@ -144,7 +143,9 @@ def pair_fingerprint(cfg: AppConfig) -> str:
     """The pair's fingerprint from the model files where this runs (calibration, the CLI)."""
     from relay_serve.tokenizer import load_codec
 
-    return combine_fingerprints(model_fingerprint(cfg.large), model_fingerprint(cfg.small), load_codec(cfg.large.tokenizer_path).fingerprint)
+    return combine_fingerprints(
+        model_fingerprint(cfg.large), model_fingerprint(cfg.small), load_codec(cfg.large.tokenizer_path).fingerprint
+    )
 
 
 def model_pair(cfg: AppConfig) -> ModelPair:

@@ -51,7 +51,7 @@ def group_margins(
     for match in find_all_cues(thinking, list(cues)):
         stop = sentence_end(thinking, match.end)
         stop = len(thinking) if stop is None else stop
-        inside = [m for s, m in zip(starts, margins) if match.end <= s < stop]
+        inside = [m for s, m in zip(starts, margins, strict=True) if match.end <= s < stop]
         if inside:
             out.by_cue.setdefault(match.cue, []).append(sum(inside) / len(inside))
     return out
@@ -64,7 +64,7 @@ def token_spans(codec, token_ids: Sequence[int]) -> tuple[str, list[tuple[int, i
     out = Output(codec)
     out.append(list(token_ids), "large")
     ends = out.starts[1:] + [len(out.text)]
-    return out.text, list(zip(out.starts, ends))
+    return out.text, list(zip(out.starts, ends, strict=False))
 
 
 def trace_margins(
@@ -91,7 +91,7 @@ def trace_margins(
     hi = text.find(think_close, lo)
     hi = len(text) if hi == -1 else hi
     kept_spans, kept = [], []
-    for i, ((a, b), lps) in enumerate(zip(spans, top_logprobs)):
+    for i, ((a, b), lps) in enumerate(zip(spans, top_logprobs, strict=True)):
         if a >= lo and b <= hi and b > a and (counted is None or counted[i]):
             kept_spans.append((a - lo, b - lo))
             kept.append(margin_from_logprobs(lps))

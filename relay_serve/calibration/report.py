@@ -42,7 +42,11 @@ def plot_margins(cue_set: CueSet, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [repr(s.cue) + (" *" if s.cue in cue_set.selected else "") for s in rows])
     ax.set_xlabel("small-model margin p(top1) - p(top2) after the cue, to the sentence end")
     rule = cue_set.rule
-    ax.set_title(f"cue set {cue_set.version}: * selected ({rule.rule}, {int(rule.confidence * 100)}% interval, n >= {rule.min_occurrences})", fontsize=9)
+    ax.set_title(
+        f"cue set {cue_set.version}: * selected ({rule.rule}, {int(rule.confidence * 100)}% interval, n >= "
+        f"{rule.min_occurrences})",
+        fontsize=9,
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,7 +16,8 @@ created only if it does not exist (``O_EXCL`` on file://, ``If-None-Match: *`` o
 0 on gs), so of two publishers that read the same head (the offline job and the online actor) one
 wins and the other finds out: the online actor (``expect_latest``) gives up and decides again on
 the new set, the offline job moves on top of it. No move is lost and the log is the history;
-``LATEST`` is its copy for readers, rewritten until it names the newest move. On a local file system ``LATEST`` is written under a
+``LATEST`` is its copy for readers, rewritten until it names the newest move. On a local file system ``LATEST`` is
+written under a
 temporary name and renamed over the old one (a rename is atomic; a rewrite in place can be read
 empty); object stores replace an object whole. Every path is built here from a validated version name:
 nothing outside the prefix is ever written.
@@ -28,7 +29,7 @@ import json
 import os
 import re
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import fsspec
@@ -110,7 +111,11 @@ class CueStore:
             names = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
             names = []
-        seqs = sorted(int(stem) for n in names if n.endswith(".json") and (stem := n.rsplit("/", 1)[-1].removesuffix(".json")).isdigit())
+        seqs = sorted(
+            int(stem)
+            for n in names
+            if n.endswith(".json") and (stem := n.rsplit("/", 1)[-1].removesuffix(".json")).isdigit()
+        )
         if not seqs:
             return 0, self.latest_version()
         return seqs[-1], check_version(json.loads(self.fs.cat_file(self._move_path(seqs[-1])))["version"])
@@ -131,7 +136,7 @@ class CueStore:
             seq, current = self.head()
             if expect is not ANY and current != expect:
                 raise PublishConflict(f"LATEST moved to {current} (expected {expect})")
-            move = {"version": version, "previous": current, "at": datetime.now(timezone.utc).isoformat()}
+            move = {"version": version, "previous": current, "at": datetime.now(UTC).isoformat()}
             path = self._move_path(seq + 1)
             self.fs.makedirs(self._path("moves"), exist_ok=True)
             try:

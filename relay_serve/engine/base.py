@@ -51,7 +51,9 @@ class EngineInfo(BaseModel):
     model: str
     max_model_len: int
     tokenizer_fingerprint: str = Field(description="sha256 of the tokenizer's vocabulary and added tokens")
-    traits: EngineTraits = Field(default_factory=EngineTraits, description="what sampling it runs correctly, its speculation")
+    traits: EngineTraits = Field(
+        default_factory=EngineTraits, description="what sampling it runs correctly, its speculation"
+    )
     spec_decode: SpecDecodeCounts | None = Field(None, description="a speculative engine's drafts so far")
 
 
@@ -105,7 +107,7 @@ class Engine(ABC):
         """The text of every token id alone (for the pause tokens of stop strings)."""
         raise NotImplementedError
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, as the engine's own stop-string check would see it."""
         raise NotImplementedError
 

@@ -30,7 +30,9 @@ from relay_serve.relay.detok import WINDOW
 
 
 class EngineSession:
-    def __init__(self, engine: Engine, session_id: str, pauses: PauseTokens, on_restart: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, session_id: str, pauses: PauseTokens, on_restart: Callable[[], None] | None = None
+    ) -> None:
         self.engine = engine
         self.session_id = session_id
         self.pauses = pauses
@@ -47,7 +49,10 @@ class EngineSession:
         ``n_known`` tokens (so the request continues) or must restart."""
         base, tail = request.context_base, request.prompt_token_ids
         if base > len(self.seen):
-            raise ContextGap(f"session {self.session_id} holds {len(self.seen)} tokens of the context; the segment continues from {base}")
+            raise ContextGap(
+                f"session {self.session_id} holds {len(self.seen)} tokens of the context; the segment continues from "
+                f"{base}"
+            )
         kept = self.request is not None
         if kept and base < self.n_known:  # tokens the KV holds are sent again: kept only if they are the same
             end = min(self.n_known, base + len(tail))
@@ -84,6 +89,9 @@ class EngineSession:
         fresh = not self._take_context(request)
         if fresh:
             await self._restart()
+        resumable = self.request
+        if resumable is None:  # _take_context kept one, or _restart made one
+            raise RuntimeError(f"session {self.session_id} has no resumable request")
         n_context = len(self.seen)
         feed = self.seen[self.n_known :]
         stops = tuple(request.stop)
@@ -100,7 +108,7 @@ class EngineSession:
         while True:
             new: list[int] = []
             out = None
-            async for out in self.request.chunk(feed, 1 if lookahead else left, pause_ids, request.sampling):
+            async for out in resumable.chunk(feed, 1 if lookahead else left, pause_ids, request.sampling):
                 new += out.token_ids
                 if stream and out.token_ids:
                     yield EngineChunk(token_ids=out.token_ids)
@@ -130,10 +138,18 @@ class EngineSession:
             if left <= 0:
                 break
             pauses += 1  # a pause that stopped nothing: resume with the token it paused on
-            tail = (before[-longest - 1 :] + text[-longest - 1 :])[-longest - 1 :]  # all a stop's prefix and the character before it
+            tail = (before[-longest - 1 :] + text[-longest - 1 :])[
+                -longest - 1 :
+            ]  # all a stop's prefix and the character before it
             lookahead = lookahead_stops(tail, stops, request.word_stops)
             feed = new[-1:]
-        timing = {"cached_tokens": cached, "ttft_s": ttft_s, "decode_s": decode_s, "decode_steps": steps, "pauses": pauses}
+        timing = {
+            "cached_tokens": cached,
+            "ttft_s": ttft_s,
+            "decode_s": decode_s,
+            "decode_steps": steps,
+            "pauses": pauses,
+        }
         yield last.model_copy(update={"token_ids": [] if stream else generated, **timing})
 
     async def _close_request(self) -> None:

@@ -102,7 +102,9 @@ class PauseTokens:
         for i, t in enumerate(self.texts):
             exact.setdefault(t, []).append(i)
         self._exact = {t: np.asarray(ids, dtype=np.int32) for t, ids in exact.items()}
-        self._partial = np.array([i for i, t in enumerate(self.texts) if "\ufffd" in t], dtype=np.int32)  # pieces of a multi-byte character
+        self._partial = np.array(
+            [i for i, t in enumerate(self.texts) if "\ufffd" in t], dtype=np.int32
+        )  # pieces of a multi-byte character
         self._cache: OrderedDict[tuple[tuple[str, ...], frozenset[str]], PauseIds] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -154,7 +156,11 @@ class PauseTokens:
                     elif j <= lead:  # the prefix is all word characters: no word character before it
                         parts.append(ending[self._tail_word[ending] == j])
                     else:
-                        parts.append(np.array([i for i in ending.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32))
+                        parts.append(
+                            np.array(
+                                [i for i in ending.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32
+                            )
+                        )
                 self._pieces(s, pieces)  # tokens that are exactly a piece of a prefix spread over several
             else:
                 for j in range(max(1, len(s) - n), len(s)):  # tokens that start with the rest of a proper prefix
@@ -181,12 +187,13 @@ class PauseTokens:
                     break  # no token starts with it: none is it or a longer piece from here
                 found.add(piece)
             else:
-                lo: int | None = 0
+                lo = 0
                 for j in range(i + SHORT + 1, len(stop)):
                     piece = stop[i:j]
-                    lo = self._prefixes.any_starts_with(piece, lo)
-                    if lo is None:
+                    at = self._prefixes.any_starts_with(piece, lo)
+                    if at is None:
                         break
+                    lo = at
                     found.add(piece)
 
 
@@ -242,7 +249,8 @@ class _SortedSuffixes:
 
     def __init__(self, keys: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> None:
         self._keys = keys
-        order = sorted(range(len(ids)), key=lambda n: keys[ids[n]][offsets[n] :])
+        id_list, offset_list = ids.tolist(), offsets.tolist()
+        order = sorted(range(len(ids)), key=lambda n: keys[id_list[n]][offset_list[n] :])
         self.ids, self.offsets = ids[order], offsets[order]
         self._ids_list, self._offsets_list = array("i", self.ids.tobytes()), array("i", self.offsets.tobytes())
 
@@ -264,7 +272,9 @@ def _after_all_starting_with(prefix: str) -> str | None:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
 
 
-def scan_pause_ids(texts: Sequence[str], stops: tuple[str, ...], word_stops: Collection[str] = frozenset()) -> frozenset[int]:
+def scan_pause_ids(
+    texts: Sequence[str], stops: tuple[str, ...], word_stops: Collection[str] = frozenset()
+) -> frozenset[int]:
     """The pause ids by a pass over every token text: what :class:`PauseTokens` replaced, kept as
     the reference its cost is measured against (``python -m relay_serve.bench.hotpath``)."""
     starts: set[str] = set()
@@ -303,7 +313,9 @@ def _ends_with(text: str, prefix: str, word_start: bool) -> bool:
     return not word_start or len(text) == len(prefix) or not is_word_char(text[-len(prefix) - 1])
 
 
-def first_stop(text: str, stops: Sequence[str], word_stops: Sequence[str] = (), before: str = "") -> tuple[int, str] | None:
+def first_stop(
+    text: str, stops: Sequence[str], word_stops: Sequence[str] = (), before: str = ""
+) -> tuple[int, str] | None:
     """The first stop string (in list order, as vLLM's check) that occurs in ``text``, and where
     its match ends; None when none does. A word stop counts only where the character before it (in
     ``before`` + ``text``) is no letter, digit or underscore. At a pause every stop found completed

@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 
 class VLLMEngine(Engine):
     def __init__(
-        self, model: str, tokenizer: str | None = None, engine_args: dict[str, Any] | None = None, ray_metrics: bool = False
+        self,
+        model: str,
+        tokenizer: str | None = None,
+        engine_args: dict[str, Any] | None = None,
+        ray_metrics: bool = False,
     ) -> None:
         """``ray_metrics``: vLLM's own metrics (running and waiting requests, KV cache usage,
         prefix-cache queries and hits, latencies) go through Ray's metrics export (``ray_vllm_*``)
@@ -71,7 +75,9 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=top_k, output_kind=RequestOutputKind.FINAL_ONLY
+        )
         final = None
         async for out in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
             final = out
@@ -79,7 +85,9 @@ class VLLMEngine(Engine):
             raise RuntimeError("the engine returned no prompt log-probabilities")
         return top_logprobs(final.prompt_logprobs, len(token_ids), start, top_k)
 
-    async def generate(self, request: SegmentRequest, request_id: str, stream: bool = True) -> AsyncIterator[EngineChunk]:
+    async def generate(
+        self, request: SegmentRequest, request_id: str, stream: bool = True
+    ) -> AsyncIterator[EngineChunk]:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -98,8 +106,10 @@ class VLLMEngine(Engine):
             chunk = EngineChunk(token_ids=list(comp.token_ids), text=comp.text)
             if out.finished:
                 chunk.finished = True
-                chunk.finish_reason = "length" if comp.finish_reason == "length" else (
-                    "abort" if comp.finish_reason == "abort" else "stop"
+                chunk.finish_reason = (
+                    "length"
+                    if comp.finish_reason == "length"
+                    else ("abort" if comp.finish_reason == "abort" else "stop")
                 )
                 chunk.stop_reason = comp.stop_reason
                 chunk.cached_tokens = int(out.num_cached_tokens or 0)
@@ -115,8 +125,8 @@ class VLLMEngine(Engine):
     def token_texts(self) -> list[str]:
         return [self._tokenizer.decode([i]) for i in range(len(self._tokenizer))]
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def stream(self, context: Sequence[int] = ()) -> TokenStream:
         return token_stream(self._tokenizer, self.decode, context, skip_special_tokens=True)
@@ -155,7 +165,9 @@ class VLLMResumable(ResumableRequest):
         except Exception as e:  # noqa: BLE001 - handed to the chunk that waits
             self._outputs.put_nowait(e)
 
-    async def chunk(self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings) -> AsyncIterator[ChunkOutput]:
+    async def chunk(
+        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+    ) -> AsyncIterator[ChunkOutput]:
         from vllm.engine.protocol import StreamingInput
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -240,7 +252,8 @@ def speculative_traits(speculative_config: dict[str, Any] | None, on_cpu: bool) 
         return EngineTraits(speculative=described)
     return EngineTraits(
         speculative=described,
-        greedy_only=f"speculative decoding ({described}) on vLLM-CPU samples wrong text at temperature > 0 and crashes with top_k",
+        greedy_only=f"speculative decoding ({described}) on vLLM-CPU samples wrong text at temperature > 0 and crashes "
+        "with top_k",
     )
 
 
@@ -275,7 +288,12 @@ def _sampling_params(s: SamplingSettings, max_tokens: int, **kwargs: Any):
     from vllm import SamplingParams
 
     return SamplingParams(
-        max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0, seed=s.seed, **kwargs
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        seed=s.seed,
+        **kwargs,
     )
 
 
@@ -344,20 +362,28 @@ class OfflineEngine:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=progress)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 2, progress: bool = False) -> list[list[list[float]]]:
+    def score(
+        self, sequences: list[list[int]], starts: list[int], top_k: int = 2, progress: bool = False
+    ) -> list[list[list[float]]]:
         """For each sequence, the ``top_k`` largest log-probabilities at every position from its start."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=progress)
-        return [top_logprobs(out.prompt_logprobs, len(seq), start, top_k) for out, seq, start in zip(outs, sequences, starts)]
+        return [
+            top_logprobs(out.prompt_logprobs, len(seq), start, top_k)
+            for out, seq, start in zip(outs, sequences, starts, strict=True)
+        ]
 
 
 def top_logprobs(prompt_logprobs, length: int, start: int, top_k: int) -> list[list[float]]:
     """The ``top_k`` largest log-probabilities at positions ``start``..``length`` of vLLM's
     prompt log-probabilities (which hold the top k and the token's own)."""
-    return [sorted((lp.logprob for lp in (prompt_logprobs[i] or {}).values()), reverse=True)[:top_k] for i in range(max(1, start), length)]
+    return [
+        sorted((lp.logprob for lp in (prompt_logprobs[i] or {}).values()), reverse=True)[:top_k]
+        for i in range(max(1, start), length)
+    ]
 
 
 def _stat_loggers(ray_metrics: bool) -> list | None:

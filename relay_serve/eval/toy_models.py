@@ -13,7 +13,13 @@ from pydantic import BaseModel
 from relay_serve.toy.world import THINK_CLOSE, ToyWorld
 
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-TOY_ENGINE_ARGS = {"max_model_len": 1024, "enforce_eager": True, "dtype": "float32", "max_num_seqs": 256, "block_size": 32}
+TOY_ENGINE_ARGS = {
+    "max_model_len": 1024,
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_num_seqs": 256,
+    "block_size": 32,
+}
 
 
 class ToyEvalResult(BaseModel):
@@ -66,14 +72,16 @@ def _prompts(world: ToyWorld, n: int, seed: int, models_dir: Path | None):
     return codec, problems, ids
 
 
-def evaluate_model(name: str, n: int = 100, seed: int = 0, models_dir: Path | None = None, progress: bool = True) -> ToyEvalResult:
+def evaluate_model(
+    name: str, n: int = 100, seed: int = 0, models_dir: Path | None = None, progress: bool = True
+) -> ToyEvalResult:
     world = ToyWorld()
     codec, problems, prompts = _prompts(world, n, seed, models_dir)
     with _engine(name, models_dir) as engine:
         t0 = time.time()
         outs = engine.generate(prompts, max_tokens=256, progress=progress)
         seconds = time.time() - t0
-    graded = [grade(codec.decode(o), world.answer(p)) for o, p in zip(outs, problems)]
+    graded = [grade(codec.decode(o), world.answer(p)) for o, p in zip(outs, problems, strict=True)]
     return ToyEvalResult(
         model=name,
         n=n,
@@ -95,10 +103,10 @@ def cue_margins(n: int = 200, seed: int = 0, models_dir: Path | None = None, tem
     with _engine("large", models_dir) as large:
         traces = large.generate(prompts, max_tokens=256, temperature=temperature, seed=seed)
     with _engine("small", models_dir) as small:
-        rows = small.score([p + t for p, t in zip(prompts, traces)], [len(p) for p in prompts])
+        rows = small.score([p + t for p, t in zip(prompts, traces, strict=True)], [len(p) for p in prompts])
     by_cue: dict[str, list[float]] = {}
     all_tokens: list[float] = []
-    for trace, lps in zip(traces, rows):
+    for trace, lps in zip(traces, rows, strict=True):
         m = trace_margins(codec, trace, lps, EASY_CUES + HARD_CUES)
         all_tokens += m.all_tokens
         for cue, values in m.by_cue.items():
@@ -115,11 +123,15 @@ def cue_margins(n: int = 200, seed: int = 0, models_dir: Path | None = None, tem
         "overall_mean": mean(all_tokens),
         "easy_mean": mean(easy),
         "hard_mean": mean(hard),
-        "per_cue": {c: {"count": len(by_cue.get(c, [])), "mean": mean(by_cue.get(c, []))} for c in EASY_CUES + HARD_CUES},
+        "per_cue": {
+            c: {"count": len(by_cue.get(c, [])), "mean": mean(by_cue.get(c, []))} for c in EASY_CUES + HARD_CUES
+        },
     }
 
 
-def decode_speed(name: str, batch: int, tokens: int = 128, models_dir: Path | None = None, engine=None, repeats: int = 3) -> float:
+def decode_speed(
+    name: str, batch: int, tokens: int = 128, models_dir: Path | None = None, engine=None, repeats: int = 3
+) -> float:
     """Seconds per decode step (per token of one sequence) at a batch size, EOS ignored: the median
     of ``repeats`` timed runs after a warm-up."""
     world = ToyWorld()

@@ -159,7 +159,10 @@ def count_rows(path: str) -> int | None:
 
 
 def request_body(row: BatchRow, s: BatchSettings) -> dict[str, Any]:
-    fields = {name: getattr(row, name) if getattr(row, name) is not None else getattr(s, name, None) for name in SAMPLING_FIELDS}
+    fields = {
+        name: getattr(row, name) if getattr(row, name) is not None else getattr(s, name, None)
+        for name in SAMPLING_FIELDS
+    }
     if row.messages is not None:
         return chat_body(s.mode, messages=row.messages, **fields)
     return chat_body(s.mode, row.prompt, **fields)
@@ -226,7 +229,9 @@ class Output:
             f.write(summary.model_dump_json(indent=2) + "\n")
 
 
-def result_record(row_id: str, line: int, mode: str, response: dict[str, Any], latency_s: float, answer: str | None = None) -> dict[str, Any]:
+def result_record(
+    row_id: str, line: int, mode: str, response: dict[str, Any], latency_s: float, answer: str | None = None
+) -> dict[str, Any]:
     usage = response["usage"]
     relay = usage.get("relay") or {}
     choice = response["choices"][0]
@@ -380,7 +385,9 @@ class _BatchRun:
 
     def _error(self, line: int, row_id: str | None, kind: Literal["malformed", "failed"], message: str) -> None:
         setattr(self.counts, kind, getattr(self.counts, kind) + 1)
-        self.errors.append({"line": line, "id": row_id, "kind": kind, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.errors.append(
+            {"line": line, "id": row_id, "kind": kind, "error": message, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        )
         log.warning("input line %d%s: %s", line, f" (id {row_id})" if row_id else "", message)
 
     def _flush(self, force: bool = False) -> None:

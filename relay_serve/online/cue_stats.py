@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -28,6 +28,7 @@ from relay_serve.calibration.store import CueStore, PublishConflict
 from relay_serve.config import AppConfig, OnlineCalibration
 
 log = logging.getLogger(__name__)
+
 
 class ScoredGeneration(BaseModel):
     """One scored generation's evidence."""
@@ -49,7 +50,9 @@ class CueStatistics(BaseModel):
     generations: int = Field(0, description="scored generations ever added")
     explored: int = 0
 
-    def add(self, by_cue: dict[str, list[float]], token_sum: float, token_count: int, explored: bool, at: datetime) -> None:
+    def add(
+        self, by_cue: dict[str, list[float]], token_sum: float, token_count: int, explored: bool, at: datetime
+    ) -> None:
         self.recent.append(ScoredGeneration(by_cue=by_cue, token_sum=token_sum, token_count=token_count, at=at))
         del self.recent[: -self.window]
         self.generations += 1
@@ -85,8 +88,14 @@ class CueStatistics(BaseModel):
         return self.recent[-1].at if self.recent else None
 
 
-def reselect(stats: CueStatistics, candidates: list[str], online: OnlineCalibration, active: list[str],
-             active_version: str, pair: ModelPair) -> CueSet | None:  # fmt: skip
+def reselect(
+    stats: CueStatistics,
+    candidates: list[str],
+    online: OnlineCalibration,
+    active: list[str],
+    active_version: str,
+    pair: ModelPair,
+) -> CueSet | None:
     """A new cue set when the calibration rule, applied to ``stats``, selects other cues than
     ``active`` (and at least one); else None."""
     from relay_serve.calibration.select import select_cues
@@ -99,7 +108,7 @@ def reselect(stats: CueStatistics, candidates: list[str], online: OnlineCalibrat
     generations = len(stats.recent)
     if not selected or set(selected) == set(active):
         return None
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     return CueSet(
         version=now.strftime("%Y%m%dT%H%M%S") + "-online-" + uuid.uuid4().hex[:6],
         pair=pair,
@@ -108,11 +117,21 @@ def reselect(stats: CueStatistics, candidates: list[str], online: OnlineCalibrat
         overall_count=stats.overall_count,
         selected=selected,
         rule=rule,
-        data=CalibrationData(source="served traffic", num_prompts=generations, samples_per_prompt=1,
-                             num_traces=generations, num_tokens=stats.overall_count),  # fmt: skip
+        data=CalibrationData(
+            source="served traffic",
+            num_prompts=generations,
+            samples_per_prompt=1,
+            num_traces=generations,
+            num_tokens=stats.overall_count,
+        ),
         created_at=now,
-        provenance=Provenance(source="online", generations=generations, window_start=stats.window_start,
-                              window_end=stats.window_end, previous=active_version),  # fmt: skip
+        provenance=Provenance(
+            source="online",
+            generations=generations,
+            window_start=stats.window_start,
+            window_end=stats.window_end,
+            previous=active_version,
+        ),
     )
 
 
@@ -127,7 +146,9 @@ class CueStatsActor:
         self.last_error: str | None = None
         self.conflicts = 0
         self._dirty = False
-        self._pending: tuple[frozenset[str], int] | None = None  # a different selection, and how many rounds in a row gave it
+        self._pending: tuple[frozenset[str], int] | None = (
+            None  # a different selection, and how many rounds in a row gave it
+        )
         self._loop: asyncio.Task | None = None
 
     def _apply(self, config: dict[str, Any]) -> None:
@@ -171,7 +192,7 @@ class CueStatsActor:
             self._loop = asyncio.get_running_loop().create_task(self._publish_loop())
 
     async def add(self, by_cue: dict[str, list[float]], token_sum: float, token_count: int, explored: bool) -> None:
-        self.stats.add(by_cue, token_sum, token_count, explored, datetime.now(timezone.utc))
+        self.stats.add(by_cue, token_sum, token_count, explored, datetime.now(UTC))
         self._dirty = True
 
     async def _publish_loop(self) -> None:
@@ -209,7 +230,9 @@ class CueStatsActor:
             return None
         head = self.store.head()[1]  # the newest move, which the conditional publish starts from
         latest = self.store.load(head) if head is not None else None
-        active, version = (latest.selected, latest.version) if latest is not None else (self.cfg.cues.default_cues, "default")
+        active, version = (
+            (latest.selected, latest.version) if latest is not None else (self.cfg.cues.default_cues, "default")
+        )
         cue_set = reselect(stats, self.candidates, self.online, active, version, self.pair)
         if cue_set is None:
             self._pending = None
@@ -218,7 +241,12 @@ class CueStatsActor:
         rounds = self._pending[1] + 1 if self._pending is not None and self._pending[0] == chosen else 1
         self._pending = (chosen, rounds)
         if rounds < self.online.confirm_rounds:
-            log.info("online cue calibration: %s selected (%d of %d rounds in a row)", cue_set.selected, rounds, self.online.confirm_rounds)
+            log.info(
+                "online cue calibration: %s selected (%d of %d rounds in a row)",
+                cue_set.selected,
+                rounds,
+                self.online.confirm_rounds,
+            )
             return None
         try:
             self.store.publish(cue_set, expect_latest=head)
@@ -229,7 +257,9 @@ class CueStatsActor:
             return None
         self._pending = None
         self.published.append(cue_set.version)
-        log.info("online cue calibration published %s: %s (was %s: %s)", cue_set.version, cue_set.selected, version, active)
+        log.info(
+            "online cue calibration published %s: %s (was %s: %s)", cue_set.version, cue_set.selected, version, active
+        )
         return cue_set.version
 
     async def status(self) -> dict[str, Any]:

@@ -43,7 +43,9 @@ class AutoSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_samples: int = Field(4, ge=1, description="generations of each path a load level runs before it chooses by their speed")
+    min_samples: int = Field(
+        4, ge=1, description="generations of each path a load level runs before it chooses by their speed"
+    )
     explore_every: int = Field(
         20, ge=2, description="one block in this many runs the other path, so that its figure stays current"
     )
@@ -51,9 +53,15 @@ class AutoSettings(BaseModel):
         2.0, ge=1.0, description="a block is this many times the load level's size of generations in a row on one path"
     )
     min_purity: float = Field(
-        0.75, ge=0.0, le=1.0, description="a generation teaches its path's figure when at least this share of the load over its life ran that path"
+        0.75,
+        ge=0.0,
+        le=1.0,
+        description="a generation teaches its path's figure when at least this share of the load over its life ran "
+        "that path",
     )
-    smoothing: float = Field(0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average")
+    smoothing: float = Field(
+        0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average"
+    )
 
 
 def bucket(load: float) -> int:
@@ -177,7 +185,10 @@ class AutoChooser:
         """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples."""
         return {
             str(b): {
-                p: {"ms_per_token": None if f.s_per_token is None else round(1000 * f.s_per_token, 3), "samples": f.samples}
+                p: {
+                    "ms_per_token": None if f.s_per_token is None else round(1000 * f.s_per_token, 3),
+                    "samples": f.samples,
+                }
                 for p, f in level.figures.items()
             }
             for b, level in sorted(self.levels.items())

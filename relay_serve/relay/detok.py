@@ -58,7 +58,9 @@ class TokenStream(ABC):
         """The text so far's new end after ``token_id`` (already in ``ids``), or None mid-character."""
 
     def _resync(self) -> None:
-        """The stream's own state restarts after ``ids`` (its text was given by a whole decode)."""
+        """The stream's own state restarts after ``ids`` (its text was given by a whole decode).
+        A stream that keeps no state of its own does nothing."""
+        return None
 
 
 class WindowStream(TokenStream):

@@ -115,7 +115,12 @@ class Output:
         """Drop trailing tokens that wrote no text (a special token such as EOS; not the pieces of a
         character still being decoded); how many."""
         n = 0
-        while self.ids and self._pending == 0 and self.starts[-1] == len(self.text) and not self.codec.decode(self.ids[-1:]):
+        while (
+            self.ids
+            and self._pending == 0
+            and self.starts[-1] == len(self.text)
+            and not self.codec.decode(self.ids[-1:])
+        ):
             del self.ids[-1], self.owners[-1], self.starts[-1]
             n += 1
         self._cut()
@@ -155,5 +160,7 @@ class Output:
             if out and out[-1].model == run.model and run.cue is None and not run.forced:
                 out[-1].end, out[-1].tokens = end, out[-1].tokens + tokens
                 continue
-            out.append(TraceSegment(model=run.model, start=run.start, end=end, tokens=tokens, cue=run.cue, forced=run.forced))
+            out.append(
+                TraceSegment(model=run.model, start=run.start, end=end, tokens=tokens, cue=run.cue, forced=run.forced)
+            )
         return out

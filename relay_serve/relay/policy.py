@@ -42,7 +42,9 @@ class PolicySettings(BaseModel):
     answer_reserve_tokens: int = Field(
         0, ge=0, description="tokens of max_tokens kept for the answer when the reasoning runs long"
     )
-    draft_tokens: int = Field(20, ge=1, description="speculative-thinking: tokens the small model drafts at a paragraph break")
+    draft_tokens: int = Field(
+        20, ge=1, description="speculative-thinking: tokens the small model drafts at a paragraph break"
+    )
     large_stretch_tokens: int = Field(
         256, ge=1, description="speculative-thinking: at most this many tokens per large-model stretch"
     )
@@ -50,7 +52,9 @@ class PolicySettings(BaseModel):
         default_factory=lambda: ["wait", "alternatively", "hold on", "check", "verify", "hmm"],
         description="speculative-thinking: a draft holding one of these hands the stretch to the large model",
     )
-    auto: AutoSettings = Field(default_factory=AutoSettings, description="auto: how it learns which of relay and large is faster")
+    auto: AutoSettings = Field(
+        default_factory=AutoSettings, description="auto: how it learns which of relay and large is faster"
+    )
 
 
 class SingleModel:
@@ -93,7 +97,7 @@ class RelayGen:
         elif s.left <= 0:
             s.finish("length")
         else:  # the reasoning budget is spent: close it, and answer in the reserve
-            answerer = "large" if s.backend.small_refusal() is not None else "small"
+            answerer: ModelRole = "large" if s.backend.small_refusal() is not None else "small"
             s.force_text(self.settings.think_close, answerer, cue=self.settings.think_close)
             await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
 

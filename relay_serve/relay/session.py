@@ -10,6 +10,7 @@ caches make a handoff cheap. The policy decides who writes next; the session doe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -114,7 +115,9 @@ class Session:
     finish_reason: FinishReason | None = None
     engine_log: list[EngineRequestRecord] = field(default_factory=list, init=False)
     handoffs: list[Handoff] = field(default_factory=list, init=False)
-    _last_commit: tuple[ModelRole, float] | None = field(default=None, init=False)  # model and time of the last committed chunk
+    _last_commit: tuple[ModelRole, float] | None = field(
+        default=None, init=False
+    )  # model and time of the last committed chunk
     _events: asyncio.Queue | None = field(default=None, init=False)
     # per model: the context tokens its engine session holds after its last request (SegmentRequest.unchanged)
     _seen: dict[ModelRole, int] = field(default_factory=dict, init=False)
@@ -144,8 +147,14 @@ class Session:
     # The steps a policy takes. Each runs one segment over the whole context (the prompt and all
     # that was written), so that a model's prefix cache, or its resumable request, makes it cheap.
 
-    async def write(self, model: ModelRole, max_tokens: int, stop: Sequence[str] = (), cue: str | None = None,
-                    word_stops: Sequence[str] = ()) -> SegmentOutcome:  # fmt: skip
+    async def write(
+        self,
+        model: ModelRole,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        cue: str | None = None,
+        word_stops: Sequence[str] = (),
+    ) -> SegmentOutcome:
         """``model`` writes, committed as it comes, until a stop string (a ``word_stops`` one only
         at a word start, where the engine can tell), EOS or ``max_tokens``."""
         return await self._segment(_Plan(model, list(stop), list(word_stops), max_tokens, cue))
@@ -154,7 +163,9 @@ class Session:
         """``model`` (the small one) finishes the sentence ``cue`` opened: a token that begins the
         next sentence is taken back (:meth:`end_at_sentence`). Optional work: no retry, and no
         first reply within ``small_timeout_s`` raises :class:`SmallModelUnavailable`."""
-        return await self._segment(_Plan(model, list(stop), [], max_tokens, cue, sentence=True, optional=True, retries=0))
+        return await self._segment(
+            _Plan(model, list(stop), [], max_tokens, cue, sentence=True, optional=True, retries=0)
+        )
 
     async def answer(self, model: ModelRole, cue: str | None, optional: bool = False) -> SegmentOutcome:
         """``model`` writes the rest (the answer after the reasoning): no stop string but the
@@ -200,7 +211,14 @@ class Session:
                 raise  # the deployment cannot answer now, or the request is at fault: no point asking again
             except EngineError as e:  # an engine, a replica or the way to it failed: asked again (a bug is not)
                 failures += 1
-                log.warning("session %s: %s engine request failed (failure %d, %d retries allowed): %s", self.session_id, plan.model, failures, allowed, e)
+                log.warning(
+                    "session %s: %s engine request failed (failure %d, %d retries allowed): %s",
+                    self.session_id,
+                    plan.model,
+                    failures,
+                    allowed,
+                    e,
+                )
                 if failures > allowed:
                     failed = f"the {plan.model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
                     raise (SmallModelUnavailable if plan.model == "small" else EngineError)(failed) from e
@@ -342,7 +360,7 @@ class Session:
         self.usage.large_tokens = self.output.count("large")
         self.usage.small_tokens = self.output.count("small")
         self.usage.segments = len(trace)
-        self.usage.switches = sum(1 for a, b in zip(trace, trace[1:]) if a.model != b.model)
+        self.usage.switches = sum(1 for a, b in itertools.pairwise(trace) if a.model != b.model)
         self.usage.engine_s = sum(r.engine_s or 0.0 for r in self.engine_log)
         return GenerationResult(
             text=self.output.text,
@@ -363,7 +381,9 @@ class Session:
         self.usage.wall_s = time.perf_counter() - t0
         return self.result()
 
-    async def stream(self, policy: Policy, timeout_s: float | None = None) -> AsyncIterator[TextDelta | GenerationResult]:
+    async def stream(
+        self, policy: Policy, timeout_s: float | None = None
+    ) -> AsyncIterator[TextDelta | GenerationResult]:
         """Run ``policy``, yielding text deltas as they become final, then the result. With
         ``timeout_s`` the run is cancelled that long after it started, whoever reads the deltas
         and however slowly: the iterator then yields what was final before and raises
@@ -371,13 +391,14 @@ class Session:
 
         Closing this iterator (a client that went away) cancels the policy and its engine request.
         """
-        self._events = asyncio.Queue()
+        events: asyncio.Queue[TextDelta | None] = asyncio.Queue()
+        self._events = events
         run = self.run(policy) if timeout_s is None else asyncio.wait_for(self.run(policy), timeout_s)
         task = asyncio.ensure_future(run)
-        task.add_done_callback(lambda _: self._events.put_nowait(None))
+        task.add_done_callback(lambda _: events.put_nowait(None))
         try:
             while True:
-                event = await self._events.get()
+                event = await events.get()
                 if event is None:
                     break
                 yield event

@@ -50,10 +50,13 @@ class Backend(ABC):
 
     def prepare(self, session_id: str, models: Sequence[ModelRole]) -> None:
         """A generation starts and will use ``models``: the backend may get ready for them (take
-        a replica) before its first request to each."""
+        a replica) before its first request to each. Nothing by default."""
+        return None
 
     def release(self, session_id: str) -> None:
-        """The generation ended: forget it (give back what ``prepare`` or its requests took)."""
+        """The generation ended: forget it (give back what ``prepare`` or its requests took).
+        Nothing by default."""
+        return None
 
     def has_replied(self, model: ModelRole) -> bool:
         """Whether a segment of ``model`` got an answer from this backend yet (so its deployment
@@ -114,7 +117,9 @@ class EngineRequestRecord(BaseModel):
     output_tokens: int
     committed: bool = Field(description="false for a rejected draft")
     engine_s: float | None = Field(None, description="seconds inside the replica")
-    ttft_s: float | None = Field(None, description="seconds from the engine's receipt to the first token (queue and prefill)")
+    ttft_s: float | None = Field(
+        None, description="seconds from the engine's receipt to the first token (queue and prefill)"
+    )
     decode_s: float | None = Field(None, description="seconds of decode steps inside the engine")
     decode_steps: int | None = Field(None, description="the decode steps decode_s covers")
     pauses: int = Field(0, description="pauses of a resumable request on a possible stop that was none")
@@ -129,7 +134,9 @@ class RelayUsage(BaseModel):
     engine_requests: int = 0
     cached_prompt_tokens: int = 0
     discarded_tokens: int = Field(default=0, description="generated but not in the output (rejected drafts)")
-    cue_set_version: str | None = Field(default=None, description="the active cue set's version, or 'request' for relay_cues")
+    cue_set_version: str | None = Field(
+        default=None, description="the active cue set's version, or 'request' for relay_cues"
+    )
     cues: list[str] = Field(default_factory=list, description="the cues this relay generation handed off on")
     degraded: bool = Field(default=False, description="small-model segments were written by the large model")
     degraded_reason: str | None = Field(default=None, description="why (the first reason, if several)")
@@ -138,10 +145,12 @@ class RelayUsage(BaseModel):
     )
     retries: int = Field(default=0, description="engine requests sent again after a failure (a replica died)")
     explored: bool = Field(
-        default=False, description="online cue calibration: the large model wrote all the reasoning (evidence on the selected cues)"
+        default=False,
+        description="online cue calibration: the large model wrote all the reasoning (evidence on the selected cues)",
     )
     false_stops: int = Field(
-        default=0, description="large-model segments that stopped on a cue's stop string where no cue was (a new engine request)"
+        default=0,
+        description="large-model segments that stopped on a cue's stop string where no cue was (a new engine request)",
     )
     policy: str | None = Field(default=None, description="auto: the policy it ran this generation as (relay or large)")
     wall_s: float = Field(0.0, description="seconds the router spent on the generation")

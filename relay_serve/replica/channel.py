@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 class SegmentHandler(Protocol):
     """What a SegmentServer serves (the ModelServer); ``peer`` names the connection."""
 
-    def segment(self, request: dict[str, Any], stream: bool, peer: Hashable | None = None) -> AsyncIterator[dict[str, Any]]:
+    def segment(
+        self, request: dict[str, Any], stream: bool, peer: Hashable | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """EngineChunk mappings of one segment request (one for a non-streamed request)."""
 
     async def end_session(self, session_id: str, peer: Hashable | None = None) -> None:
@@ -140,15 +142,26 @@ class SegmentServer:
                     return
                 if op == "generate" and rid not in tasks:
                     if not self._valid(message.get("token")):
-                        writer.write(pack({"id": rid, "error": "LeaseExpired: the segment's lease is not live on this replica"}))
+                        writer.write(
+                            pack({"id": rid, "error": "LeaseExpired: the segment's lease is not live on this replica"})
+                        )
                         continue
                     self._bind(message["token"], conn)
                     request, stream = message.get("request"), message.get("stream")
                     stream = stream if stream == "first" else bool(stream)
                     tasks[rid] = asyncio.create_task(self._generate(rid, request, stream, writer, tasks, conn))
                 elif op == "generate":  # an id already running here: an error for that id, the connection lives on
-                    log.warning("segment channel: request id %d is already running on the connection from %s", rid, peer)
-                    writer.write(pack({"id": rid, "error": f"DuplicateRequest: request id {rid} is already running on this connection"}))
+                    log.warning(
+                        "segment channel: request id %d is already running on the connection from %s", rid, peer
+                    )
+                    writer.write(
+                        pack(
+                            {
+                                "id": rid,
+                                "error": f"DuplicateRequest: request id {rid} is already running on this connection",
+                            }
+                        )
+                    )
                 elif op == "cancel":
                     task = tasks.pop(rid, None)
                     if task is not None:
@@ -168,7 +181,9 @@ class SegmentServer:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
             await self.handler.peer_closed(conn)
 
-    async def _generate(self, rid: int, request: Any, stream: bool | str, writer: asyncio.StreamWriter, tasks: dict, conn: int) -> None:
+    async def _generate(
+        self, rid: int, request: Any, stream: bool | str, writer: asyncio.StreamWriter, tasks: dict, conn: int
+    ) -> None:
         try:
             if not isinstance(request, dict):
                 raise ValueError("the request is not a mapping")

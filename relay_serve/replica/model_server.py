@@ -73,7 +73,13 @@ class ModelServer:
         self._channel: SegmentServer | None = None
         self._channel_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None  # closes idle sessions while there are any
-        log.info("ModelServer %s ready on replica %s (resumable requests: %s): %s", role, self.replica_id, self.resumable, self.engine.info())
+        log.info(
+            "ModelServer %s ready on replica %s (resumable requests: %s): %s",
+            role,
+            self.replica_id,
+            self.resumable,
+            self.engine.info(),
+        )
 
     # ---- segments ------------------------------------------------------------------------------
 
@@ -97,7 +103,9 @@ class ModelServer:
             self.requests_in_flight -= 1
             await output.aclose()
 
-    async def segment(self, request: dict[str, Any], stream: Streaming, peer: Hashable | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def segment(
+        self, request: dict[str, Any], stream: Streaming, peer: Hashable | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """One segment request's output as EngineChunk dicts: as it comes (``stream`` true), all of
         it in one (false), or ``"first"``: the first token at once (a deadline bounds it), the rest
         in one."""
@@ -140,7 +148,9 @@ class ModelServer:
         session = self.sessions.get(session_id)
         if session is None:
             self._close_idle_sessions()
-            session = self.sessions[session_id] = EngineSession(self.engine, session_id, self._pauses, on_restart=self._restarted)
+            session = self.sessions[session_id] = EngineSession(
+                self.engine, session_id, self._pauses, on_restart=self._restarted
+            )
             self._session_peers[session_id] = peer
             if self._reaper is None or self._reaper.done():
                 self._reaper = asyncio.get_running_loop().create_task(self._reap_idle_sessions())
@@ -194,7 +204,12 @@ class ModelServer:
         token = channel.issue_token()
         self.leases_held += 1
         try:
-            yield {"address": channel.address, "token": token, "replica_id": self.replica_id, "resumable": self.resumable}
+            yield {
+                "address": channel.address,
+                "token": token,
+                "replica_id": self.replica_id,
+                "resumable": self.resumable,
+            }
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(channel.lease_ended(token), ttl_s)
         finally:
@@ -236,7 +251,9 @@ class ModelServer:
         log-probabilities at each position of ``token_ids`` from ``start``. Counted as engine load."""
         self.requests_in_flight += 1
         try:
-            return await self.engine.score(list(request["token_ids"]), int(request["start"]), f"score-{uuid.uuid4().hex[:12]}")
+            return await self.engine.score(
+                list(request["token_ids"]), int(request["start"]), f"score-{uuid.uuid4().hex[:12]}"
+            )
         finally:
             self.requests_in_flight -= 1
 
@@ -253,7 +270,11 @@ class ModelServer:
         default router does not read it (a custom one may balance on it); an operator or a test can
         ask one replica for it through its actor (``ray.get(actor.record_routing_stats.remote())``),
         which a call through the deployment's handle cannot (the handle picks the replica)."""
-        return {"leases_held": self.leases_held, "sessions": len(self.sessions), ENGINE_LOAD: float(self.requests_in_flight)}
+        return {
+            "leases_held": self.leases_held,
+            "sessions": len(self.sessions),
+            ENGINE_LOAD: float(self.requests_in_flight),
+        }
 
     async def check_health(self) -> None:
         """Ray Serve's health check: a dead engine marks the replica unhealthy and replaces it."""

@@ -92,7 +92,9 @@ class ServeBackend(Backend):
     def small_refusal(self) -> str | None:
         n, bound = self.in_flight["small"], self.max_small_in_flight
         if bound is not None and n >= bound:
-            return f"the small deployment is past its queue bound ({n} segments in flight from this router, bound {bound})"
+            return (
+                f"the small deployment is past its queue bound ({n} segments in flight from this router, bound {bound})"
+            )
         if time.monotonic() < self._small_down_until:
             return self._small_down_reason
         return None
@@ -117,7 +119,11 @@ class ServeBackend(Backend):
         try:
             return await asyncio.wait_for(asyncio.shield(fetch), TRAITS_TIMEOUT_S)
         except TimeoutError:
-            log.warning("the %s deployment did not say within %.0f s what its engine runs; asking on in the background", model, TRAITS_TIMEOUT_S)
+            log.warning(
+                "the %s deployment did not say within %.0f s what its engine runs; asking on in the background",
+                model,
+                TRAITS_TIMEOUT_S,
+            )
             self._traits.setdefault(model, (time.monotonic() + TRAITS_TIMEOUT_S, EngineTraits()))
             return EngineTraits()
 
@@ -125,7 +131,10 @@ class ServeBackend(Backend):
         handle = self.handles[model]
         info = await own_request(handle.info.remote)
         files = await own_request(handle.options(method_name="tokenizer_files").remote) if tokenizer else {}
-        return ModelIdentity(tokenizer_files=files, **{k: info[k] for k in ("model_fingerprint", "tokenizer_fingerprint", "max_model_len")})
+        return ModelIdentity(
+            tokenizer_files=files,
+            **{k: info[k] for k in ("model_fingerprint", "tokenizer_fingerprint", "max_model_len")},
+        )
 
     async def _fetch_traits(self, model: ModelRole) -> EngineTraits:
         try:
@@ -165,7 +174,10 @@ class ServeBackend(Backend):
         """Why a small-model segment missed its deadline; takes the deployment out for a while
         when none of its segments got a token during that time."""
         if time.monotonic() - self._last_reply.get("small", float("-inf")) < timeout_s:
-            return f"the small model's first token took longer than {timeout_s} s (other small-model segments were answered)"
+            return (
+                f"the small model's first token took longer than {timeout_s} s "
+                "(other small-model segments were answered)"
+            )
         self._small_down_until = time.monotonic() + self.small_retry_after_s
         self._small_down_reason = (
             f"the small deployment did not answer within {timeout_s} s (scaled to zero or "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from relay_serve.calibration.cues import DEFAULT_VERSION, ActiveCues
 from relay_serve.calibration.store import CueStore
@@ -32,7 +32,7 @@ class CueProvider:
         self._active = ActiveCues(
             version=DEFAULT_VERSION,
             cues=list(cfg.cues.default_cues),
-            loaded_at=datetime.now(timezone.utc),
+            loaded_at=datetime.now(UTC),
             source="default",
         )
         self.last_error: str | None = None
@@ -69,7 +69,7 @@ class CueProvider:
 
     def refresh(self) -> None:
         """Read the store's latest set now; swap it in if it is new, valid and for this pair."""
-        self.last_checked = datetime.now(timezone.utc)
+        self.last_checked = datetime.now(UTC)
         if self.pair_fingerprint is None:
             self.last_error = None  # the small deployment has not said what it serves yet: the default set
             return
@@ -95,7 +95,7 @@ class CueProvider:
         self._active = ActiveCues(
             version=cue_set.version,
             cues=list(cue_set.selected),
-            loaded_at=datetime.now(timezone.utc),
+            loaded_at=datetime.now(UTC),
             source=f"{self.store.uri}/versions/{cue_set.version}.json",
             created_at=cue_set.created_at,
         )
@@ -113,6 +113,8 @@ class CueProvider:
         }
 
     def describe(self) -> dict:
-        return {**self._active.model_dump(mode="json"), "pair_fingerprint": self.pair_fingerprint, **{
-            k: v for k, v in self.status().items() if k in ("store", "ok", "last_error", "last_checked")
-        }}
+        return {
+            **self._active.model_dump(mode="json"),
+            "pair_fingerprint": self.pair_fingerprint,
+            **{k: v for k, v in self.status().items() if k in ("store", "ok", "last_error", "last_checked")},
+        }

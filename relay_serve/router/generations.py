@@ -70,7 +70,9 @@ class Generation:
 class Generations:
     """Turns requests into generations and runs them over ``backend``; counts those in flight."""
 
-    def __init__(self, cfg: AppConfig, startup: PairStartup, backend: Backend, cues: CueProvider, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, cfg: AppConfig, startup: PairStartup, backend: Backend, cues: CueProvider, metrics: RouterMetrics
+    ) -> None:
         self.cfg = cfg
         self.startup = startup  # the tokenizer and the context length, as the model replicas say
         self.backend = backend
@@ -99,7 +101,9 @@ class Generations:
         cues, cue_version = self._cues(req, name)
         sampling = self._sampling(req)
         # auto: relay or large, whichever has been faster at this load; its engines are relay's
-        await self._check_engines(("large", "small") if name == "auto" else make_policy(name, self.cfg.policy, []).models, sampling, req)
+        await self._check_engines(
+            ("large", "small") if name == "auto" else make_policy(name, self.cfg.policy, []).models, sampling, req
+        )
         path = self.auto.choose(self.in_flight + 1) if name == "auto" else name
         explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
         if explored:
@@ -135,7 +139,8 @@ class Generations:
         except TimeoutError as e:
             status = self.startup.status()["large"]
             raise ServerError(
-                f"the large model's deployment did not answer within the request's {self.cfg.router.request_timeout_s:.0f} s "
+                f"the large model's deployment did not answer within the request's "
+                f"{self.cfg.router.request_timeout_s:.0f} s "
                 f"(last: {status.get('last_failure') or 'still starting'})",
                 status=503,
                 code="model_unavailable",
@@ -163,7 +168,9 @@ class Generations:
             try:
                 (await self.backend.traits(model)).check(model, sampling)
             except InvalidRequest as e:
-                default = " (the service's default sampling)" if e.param == "temperature" and req.temperature is None else ""
+                default = (
+                    " (the service's default sampling)" if e.param == "temperature" and req.temperature is None else ""
+                )
                 raise ClientError(e.message + default, param=e.param) from e
 
     def _cues(self, req: AnyRequest, policy: str) -> tuple[list[str], str | None]:
@@ -200,7 +207,9 @@ class Generations:
         name = model[len(prefix) :] if prefix and model.startswith(prefix) else model
         if name not in MODEL_IDS:
             known = ", ".join(prefix + m for m in MODEL_IDS)
-            raise ClientError(f"unknown model {model!r}; this service serves {known}", param="model", code="model_not_found")
+            raise ClientError(
+                f"unknown model {model!r}; this service serves {known}", param="model", code="model_not_found"
+            )
         return name
 
     async def _tokenize(self, req: AnyRequest) -> list[int]:
@@ -216,7 +225,9 @@ class Generations:
 
     def _prompt_ids(self, req: AnyRequest) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+            messages = [
+                {"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages
+            ]
             return self.codec.encode(self.codec.render_chat(messages))
         if isinstance(req.prompt, list):
             vocab = len(self.codec.tokenizer)
@@ -287,7 +298,7 @@ class Generations:
         with self.running(g):
             try:
                 result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
-            except asyncio.TimeoutError as e:
+            except TimeoutError as e:
                 self.metrics.request(g.name, 504, g.age())
                 raise ServerError(self.timeout_message(), status=504) from e
             except asyncio.CancelledError:
@@ -325,13 +336,19 @@ def usage(session: Session, result: GenerationResult) -> Usage:
 def response(g: Generation, result: GenerationResult) -> dict[str, Any]:
     """The OpenAI response body of a finished generation (with the trace when asked for)."""
     req = g.request
-    common = dict(id=new_id("chatcmpl" if g.chat else "cmpl"), created=now(), model=req.model, usage=usage(g.session, result))
+    common = dict(
+        id=new_id("chatcmpl" if g.chat else "cmpl"), created=now(), model=req.model, usage=usage(g.session, result)
+    )
     trace = result.trace if req.relay_trace else None
     if g.chat:
         choice = ChatChoice(message={"role": "assistant", "content": result.text}, finish_reason=result.finish_reason)
         resp = ChatCompletionResponse(choices=[choice], relay_trace=trace, **common)
     else:
-        resp = CompletionResponse(choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)], relay_trace=trace, **common)
+        resp = CompletionResponse(
+            choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
+            relay_trace=trace,
+            **common,
+        )
     body = resp.model_dump(exclude_none=True)
     if req.relay_trace:
         body["relay_engine_requests"] = [r.model_dump() for r in result.engine_requests]
@@ -348,4 +365,6 @@ def failure(e: Exception, session_id: str) -> ClientError | ServerError:
         log.warning("generation %s failed: %s", session_id, e)
         return ServerError(f"an engine failed: {e}", status=502, code="engine_error")
     log.error("generation %s failed with an error of relay-serve's own", session_id, exc_info=e)
-    return ServerError(f"the router failed (a bug in relay-serve): {type(e).__name__}: {e}", status=500, code="internal_error")
+    return ServerError(
+        f"the router failed (a bug in relay-serve): {type(e).__name__}: {e}", status=500, code="internal_error"
+    )

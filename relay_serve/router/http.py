@@ -48,7 +48,12 @@ def build_api(router: RelayRouter) -> FastAPI:
         ("/v1/completions", router.completions, CompletionRequest),
     ):
         # The body is read and checked by hand (size limit first); the schema is documented.
-        extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        extra = {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        }
         api.add_api_route(path, endpoint, methods=["POST"], dependencies=auth, openapi_extra=extra)
     api.openapi = lambda: _openapi_with_request_schemas(api)
     return api

@@ -51,7 +51,12 @@ MODEL_DESCRIPTIONS = {
 
 class RelayRouter:
     def __init__(
-        self, config: dict[str, Any], large=None, small=None, backend: Backend | None = None, metrics: RouterMetrics | None = None
+        self,
+        config: dict[str, Any],
+        large=None,
+        small=None,
+        backend: Backend | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.cfg = AppConfig.model_validate(config)
         self.backend = backend if backend is not None else _serve_backend(self.cfg, large, small)
@@ -83,11 +88,15 @@ class RelayRouter:
 
         pair = ModelPair(large=self.cfg.large.model, small=self.cfg.small.model, fingerprint=fingerprint)
         actor = self.stats_actor = stats_actor(self.cfg, pair)
-        actor.configure.remote(self.cfg.model_dump(mode="json"))  # an actor found from an earlier deployment takes these settings
+        actor.configure.remote(
+            self.cfg.model_dump(mode="json")
+        )  # an actor found from an earlier deployment takes these settings
         actor.start.remote()
 
         async def score(token_ids: list[int], start: int) -> list[list[float]]:
-            return await own_request(lambda: small.options(method_name="score").remote({"token_ids": token_ids, "start": start}))
+            return await own_request(
+                lambda: small.options(method_name="score").remote({"token_ids": token_ids, "start": start})
+            )
 
         async def sink(margins: dict[str, Any]) -> None:
             await actor.add.remote(**margins)
@@ -150,8 +159,22 @@ class RelayRouter:
         if shadow is not None:
             online = self.cfg.cues.online
             described["online"] = {
-                **online.model_dump(include={"sample_rate", "explore_rate", "min_occurrences", "confidence", "rule", "publish_interval_s"}),
-                "this_router": {"scored": shadow.scored, "dropped": shadow.dropped, "failed": shadow.failed, "queued": shadow.queue.qsize()},
+                **online.model_dump(
+                    include={
+                        "sample_rate",
+                        "explore_rate",
+                        "min_occurrences",
+                        "confidence",
+                        "rule",
+                        "publish_interval_s",
+                    }
+                ),
+                "this_router": {
+                    "scored": shadow.scored,
+                    "dropped": shadow.dropped,
+                    "failed": shadow.failed,
+                    "queued": shadow.queue.qsize(),
+                },
                 "shared": await self._shared_stats(),
             }
         return described
@@ -212,7 +235,9 @@ class RelayRouter:
             try:
                 req = validate(body, ChatCompletionRequest if chat else CompletionRequest)
             except ClientError as e:
-                self.metrics.request(self.generations.model_label(body.get("model") if isinstance(body, dict) else None), e.status)
+                self.metrics.request(
+                    self.generations.model_label(body.get("model") if isinstance(body, dict) else None), e.status
+                )
                 raise
             if req.stream:
                 self.metrics.request(self.generations.model_label(req.model), 400)
@@ -231,7 +256,6 @@ class RelayRouter:
         if req.stream:
             return StreamingResponse(events(self.generations, g), media_type="text/event-stream")
         return await self.generations.run(g)
-
 
     def _gauges(self) -> tuple[int, dict[str, int] | None, dict[str, int] | None]:
         """Generations in flight and leases held and idle per model (none with the handle transport)."""

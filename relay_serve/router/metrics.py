@@ -47,88 +47,124 @@ class RouterMetrics:
             metric.set_default_tags({"app": app})
             return metric
 
-        self.requests = tagged(m.Counter(
-            "relay_serve_requests_total",
-            description="Requests by model id and HTTP status (499: the client went away; model 'unknown': a body with no known model).",
-            tag_keys=("app", "model", "status"),
-        ))  # fmt: skip
-        self.e2e = tagged(m.Histogram(
-            "relay_serve_e2e_request_latency_seconds",
-            description="Seconds from a request's arrival at the router to its last token.",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.ttft = tagged(m.Histogram(
-            "relay_serve_time_to_first_token_seconds",
-            description="Seconds from a streamed request's arrival to its first text (streamed requests only).",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.itl = tagged(m.Histogram(
-            "relay_serve_inter_token_latency_seconds",
-            description="A streamed request's mean seconds between output tokens after the first.",
-            boundaries=TOKEN_LATENCY_BUCKETS_S,
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.switches = tagged(m.Histogram(
-            "relay_serve_switches_per_request",
-            description="Switches between the large and the small model in a finished generation.",
-            boundaries=SWITCH_BUCKETS,
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.handoff = tagged(m.Histogram(
-            "relay_serve_handoff_latency_seconds",
-            description="Seconds from the last token of one model (a cue, a sentence end) to the first of the other's next segment.",
-            boundaries=LATENCY_BUCKETS_S,
-            tag_keys=("app", "to"),
-        ))  # fmt: skip
-        self.tokens = tagged(m.Counter(
-            "relay_serve_generated_tokens_total",
-            description="Output tokens of finished generations by the engine that wrote them (large, small).",
-            tag_keys=("app", "model", "engine"),
-        ))  # fmt: skip
-        self.degraded = tagged(m.Counter(
-            "relay_serve_degraded_requests_total",
-            description="Finished generations whose small-model work the large model wrote (small deployment failed, unreachable or past its bound).",
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.kept_on_large = tagged(m.Counter(
-            "relay_serve_handoffs_kept_on_large_total",
-            description="Handoffs to the small model that the large model kept.",
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
-        self.retries = tagged(m.Counter(
-            "relay_serve_engine_retries_total",
-            description="Engine requests sent again after a replica failed.",
-            tag_keys=("app", "model"),
-        ))  # fmt: skip
+        self.requests = tagged(
+            m.Counter(
+                "relay_serve_requests_total",
+                description="Requests by model id and HTTP status (499: the client went away; model 'unknown': a body "
+                "with no known model).",
+                tag_keys=("app", "model", "status"),
+            )
+        )
+        self.e2e = tagged(
+            m.Histogram(
+                "relay_serve_e2e_request_latency_seconds",
+                description="Seconds from a request's arrival at the router to its last token.",
+                boundaries=LATENCY_BUCKETS_S,
+                tag_keys=("app", "model"),
+            )
+        )
+        self.ttft = tagged(
+            m.Histogram(
+                "relay_serve_time_to_first_token_seconds",
+                description="Seconds from a streamed request's arrival to its first text (streamed requests only).",
+                boundaries=LATENCY_BUCKETS_S,
+                tag_keys=("app", "model"),
+            )
+        )
+        self.itl = tagged(
+            m.Histogram(
+                "relay_serve_inter_token_latency_seconds",
+                description="A streamed request's mean seconds between output tokens after the first.",
+                boundaries=TOKEN_LATENCY_BUCKETS_S,
+                tag_keys=("app", "model"),
+            )
+        )
+        self.switches = tagged(
+            m.Histogram(
+                "relay_serve_switches_per_request",
+                description="Switches between the large and the small model in a finished generation.",
+                boundaries=SWITCH_BUCKETS,
+                tag_keys=("app", "model"),
+            )
+        )
+        self.handoff = tagged(
+            m.Histogram(
+                "relay_serve_handoff_latency_seconds",
+                description="Seconds from the last token of one model (a cue, a sentence end) to the first of the "
+                "other's next segment.",
+                boundaries=LATENCY_BUCKETS_S,
+                tag_keys=("app", "to"),
+            )
+        )
+        self.tokens = tagged(
+            m.Counter(
+                "relay_serve_generated_tokens_total",
+                description="Output tokens of finished generations by the engine that wrote them (large, small).",
+                tag_keys=("app", "model", "engine"),
+            )
+        )
+        self.degraded = tagged(
+            m.Counter(
+                "relay_serve_degraded_requests_total",
+                description="Finished generations whose small-model work the large model wrote (small deployment "
+                "failed, unreachable or past its bound).",
+                tag_keys=("app", "model"),
+            )
+        )
+        self.kept_on_large = tagged(
+            m.Counter(
+                "relay_serve_handoffs_kept_on_large_total",
+                description="Handoffs to the small model that the large model kept.",
+                tag_keys=("app", "model"),
+            )
+        )
+        self.retries = tagged(
+            m.Counter(
+                "relay_serve_engine_retries_total",
+                description="Engine requests sent again after a replica failed.",
+                tag_keys=("app", "model"),
+            )
+        )
         # one series a router replica, whatever the number of versions published (a version label
         # would add a series per published set, forever: Ray's metrics cannot remove one)
-        self.cue_set = tagged(m.Gauge(
-            "relay_serve_cue_set_created_timestamp_seconds",
-            description="When the cue set this router replica hands off on was calibrated (Unix seconds; 0: the default set).",
-            tag_keys=("app",),
-        ))  # fmt: skip
-        self.leases = tagged(m.Gauge(
-            "relay_serve_leases",
-            description="Model replicas this router replica holds leases on: held by a generation, or idle (kept for reuse).",
-            tag_keys=("app", "engine", "state"),
-        ))  # fmt: skip
-        self.in_flight = tagged(m.Gauge(
-            "relay_serve_generations_in_flight",
-            description="Generations this router replica is running.",
-            tag_keys=("app",),
-        ))  # fmt: skip
-        self.shadow = tagged(m.Counter(
-            "relay_serve_shadow_generations_total",
-            description="Online cue calibration: served relay generations scored, dropped (the scoring queue was full) or failed.",
-            tag_keys=("app", "outcome"),
-        ))  # fmt: skip
-        self.auto = tagged(m.Counter(
-            "relay_serve_auto_choices_total",
-            description="Generations of the auto model by the policy it ran them as (relay or large).",
-            tag_keys=("app", "policy"),
-        ))  # fmt: skip
+        self.cue_set = tagged(
+            m.Gauge(
+                "relay_serve_cue_set_created_timestamp_seconds",
+                description="When the cue set this router replica hands off on was calibrated (Unix seconds; 0: the "
+                "default set).",
+                tag_keys=("app",),
+            )
+        )
+        self.leases = tagged(
+            m.Gauge(
+                "relay_serve_leases",
+                description="Model replicas this router replica holds leases on: held by a generation, or idle (kept "
+                "for reuse).",
+                tag_keys=("app", "engine", "state"),
+            )
+        )
+        self.in_flight = tagged(
+            m.Gauge(
+                "relay_serve_generations_in_flight",
+                description="Generations this router replica is running.",
+                tag_keys=("app",),
+            )
+        )
+        self.shadow = tagged(
+            m.Counter(
+                "relay_serve_shadow_generations_total",
+                description="Online cue calibration: served relay generations scored, dropped (the scoring queue was "
+                "full) or failed.",
+                tag_keys=("app", "outcome"),
+            )
+        )
+        self.auto = tagged(
+            m.Counter(
+                "relay_serve_auto_choices_total",
+                description="Generations of the auto model by the policy it ran them as (relay or large).",
+                tag_keys=("app", "policy"),
+            )
+        )
         self._sampler: asyncio.Task | None = None
 
     # ---- per request ---------------------------------------------------------------------------
@@ -139,7 +175,9 @@ class RouterMetrics:
         if e2e_s is not None:
             self.e2e.observe(e2e_s, tags={"model": model})
 
-    def generation(self, model: str, result: GenerationResult, ttft_s: float | None = None, e2e_s: float | None = None) -> None:
+    def generation(
+        self, model: str, result: GenerationResult, ttft_s: float | None = None, e2e_s: float | None = None
+    ) -> None:
         """What a finished generation did: its tokens by engine, switches, handoffs, degradation,
         retries; for a streamed one its time to first token and inter-token latency."""
         u = result.usage

@@ -42,8 +42,15 @@ class ShadowItem:
 
 
 class ShadowScorer:
-    def __init__(self, cfg: AppConfig, codec: Codec, score: Scorer, sink: Sink, count: Callable[[str], None] | None = None,
-                 rng: random.Random | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: AppConfig,
+        codec: Codec,
+        score: Scorer,
+        sink: Sink,
+        count: Callable[[str], None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         from relay_serve.calibration.candidates import default_candidates
 
         self.online = cfg.cues.online
@@ -94,11 +101,24 @@ class ShadowScorer:
         from relay_serve.calibration.margins import trace_margins
 
         # a hung replica must not wedge the only scoring worker: give the sample up
-        rows = await asyncio.wait_for(self._score(item.prompt_ids + item.token_ids, len(item.prompt_ids)), self.online.score_timeout_s)
-        m = await asyncio.to_thread(
-            trace_margins, self.codec, item.token_ids, rows, self.candidates, think_close=self.think_close, counted=item.large_written
+        rows = await asyncio.wait_for(
+            self._score(item.prompt_ids + item.token_ids, len(item.prompt_ids)), self.online.score_timeout_s
         )
-        margins = {"by_cue": m.by_cue, "token_sum": float(sum(m.all_tokens)), "token_count": len(m.all_tokens), "explored": item.explored}
+        m = await asyncio.to_thread(
+            trace_margins,
+            self.codec,
+            item.token_ids,
+            rows,
+            self.candidates,
+            think_close=self.think_close,
+            counted=item.large_written,
+        )
+        margins = {
+            "by_cue": m.by_cue,
+            "token_sum": float(sum(m.all_tokens)),
+            "token_count": len(m.all_tokens),
+            "explored": item.explored,
+        }
         await self._sink(margins)
         return margins
 
@@ -121,7 +141,15 @@ def stats_actor(cfg: AppConfig, pair: ModelPair):
     options = {k: v for k, v in cfg.router.deployment.ray_actor_options.items() if k in ("resources", "runtime_env")}
     actor = (
         ray.remote(CueStatsActor)
-        .options(name=name, namespace="relay-serve", lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1, **options)
+        .options(
+            name=name,
+            namespace="relay-serve",
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            **options,
+        )
         .remote(cfg.model_dump(mode="json"), pair.model_dump(mode="json"))
     )
     return actor

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 30.0  # one ask of a deployment (a call waits for a replica to start); then asked again
 ASK_BACKOFF_S = 2.0  # after an ask that failed at once
-LAZY_POLL_S = 1.0  # a deployment that may scale to zero is asked once a segment of it was answered: looked at this often
+LAZY_POLL_S = (
+    1.0  # a deployment that may scale to zero is asked once a segment of it was answered: looked at this often
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,11 @@ class PairStartup:
         def model(role: ModelRole) -> dict[str, Any]:
             known = self.identities.get(role)
             if known is not None:
-                return {"state": "up", "max_model_len": known.max_model_len, "model_fingerprint": known.model_fingerprint}
+                return {
+                    "state": "up",
+                    "max_model_len": known.max_model_len,
+                    "model_fingerprint": known.model_fingerprint,
+                }
             return {"state": "starting", "last_failure": self.last_failure.get(role)}
 
         return {
@@ -125,12 +131,18 @@ class PairStartup:
             t0 = time.monotonic()
             try:
                 # the pair's tokenizer is the large model's; of the small one its fingerprint is enough
-                identity = await asyncio.wait_for(self.backend.identity(model, tokenizer=model == "large"), ASK_TIMEOUT_S)
+                identity = await asyncio.wait_for(
+                    self.backend.identity(model, tokenizer=model == "large"), ASK_TIMEOUT_S
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - starting, scaled to zero, restarting: asked again
                 self.last_failure[model] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                log.info("the %s deployment has not said what it serves yet (%s); asking again", model, self.last_failure[model])
+                log.info(
+                    "the %s deployment has not said what it serves yet (%s); asking again",
+                    model,
+                    self.last_failure[model],
+                )
                 await asyncio.sleep(max(0.0, ASK_BACKOFF_S - (time.monotonic() - t0)))
                 continue
             try:
@@ -147,7 +159,9 @@ class PairStartup:
     def _codec(self, identity: ModelIdentity) -> Codec:
         """The large deployment's tokenizer, checked (off the event loop: a real vocabulary takes a
         second to load and check)."""
-        codec = Codec.from_files(identity.tokenizer_files, source=f"the large deployment's tokenizer ({self.cfg.large.model})")
+        codec = Codec.from_files(
+            identity.tokenizer_files, source=f"the large deployment's tokenizer ({self.cfg.large.model})"
+        )
         if codec.fingerprint != identity.tokenizer_fingerprint:
             raise PairRefused(
                 f"the tokenizer rebuilt from the large deployment's files ({codec.fingerprint}) is not the one its "
@@ -161,8 +175,12 @@ class PairStartup:
         self.last_failure.pop(model, None)
         large, small = self.identities.get("large"), self.identities.get("small")
         if large is not None and small is not None:
-            check_shared(large.tokenizer_fingerprint, small.tokenizer_fingerprint, "the large deployment", "the small deployment")
-            self.fingerprint = combine_fingerprints(large.model_fingerprint, small.model_fingerprint, large.tokenizer_fingerprint)
+            check_shared(
+                large.tokenizer_fingerprint, small.tokenizer_fingerprint, "the large deployment", "the small deployment"
+            )
+            self.fingerprint = combine_fingerprints(
+                large.model_fingerprint, small.model_fingerprint, large.tokenizer_fingerprint
+            )
         codec = codec if codec is not None else (self.pair.codec if self.pair is not None else None)
         if codec is not None:  # the usable context: the smaller of the engines that answered
             self.pair = ServedPair(codec=codec, max_model_len=min(i.max_model_len for i in self.identities.values()))

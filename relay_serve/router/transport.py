@@ -75,7 +75,9 @@ class HandleTransport:
         opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": bool(stream)}
         if self.affinity:
             opts["session_id"] = request.session_id
-        response = own_request(lambda: self.handles[request.model].options(**opts).remote(request.model_dump(exclude={"unchanged"})))
+        response = own_request(
+            lambda: self.handles[request.model].options(**opts).remote(request.model_dump(exclude={"unchanged"}))
+        )
         finished = False
         try:
             if stream:
@@ -132,7 +134,9 @@ class Lease:
         try:
             async for message in self._response:
                 if not self.info.done():
-                    info = LeaseInfo(message["address"], message["token"], message["replica_id"], bool(message.get("resumable")))
+                    info = LeaseInfo(
+                        message["address"], message["token"], message["replica_id"], bool(message.get("resumable"))
+                    )
                     self.info.set_result(info)
                     self._on_granted(info)
         except asyncio.CancelledError:
@@ -198,10 +202,14 @@ class DirectTransport:
         held = self.leases.setdefault(session_id, {})
         lease = held.get(model)
         if lease is not None and lease.granted and not self._in_rotation(lease):
-            self._end_session(lease, session_id)  # its replica is draining (a downscale): move on at this segment boundary
+            self._end_session(
+                lease, session_id
+            )  # its replica is draining (a downscale): move on at this segment boundary
             lease.release()
         if lease is None or not lease.usable:
-            lease = held[model] = self._reuse(model) or Lease(self.handles[model], model, self.ttl_s, self._lost, self._attach)
+            lease = held[model] = self._reuse(model) or Lease(
+                self.handles[model], model, self.ttl_s, self._lost, self._attach
+            )
         return lease
 
     def _in_rotation(self, lease: Lease) -> bool:

@@ -18,19 +18,117 @@ from pathlib import Path
 
 QWEN3_VOCAB_SIZE = 151_936
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-)  # fmt: skip
-_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "qu", "r", "s", "t", "v", "w", "x", "y", "z",
-           "bl", "br", "ch", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "ph", "pl", "pr", "sc", "sh", "sl", "sp", "st",
-           "str", "th", "tr", "wh")  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+_ONSETS = (
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "qu",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "x",
+    "y",
+    "z",
+    "bl",
+    "br",
+    "ch",
+    "cl",
+    "cr",
+    "dr",
+    "fl",
+    "fr",
+    "gl",
+    "gr",
+    "ph",
+    "pl",
+    "pr",
+    "sc",
+    "sh",
+    "sl",
+    "sp",
+    "st",
+    "str",
+    "th",
+    "tr",
+    "wh",
+)
 _NUCLEI = ("a", "e", "i", "o", "u", "y", "ai", "ea", "ee", "ie", "io", "oo", "ou", "ue")
 _CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "d", "ng", "nd", "st", "ck", "nt", "rs", "sh", "th", "x")
-_PUNCT = (",", ".", ":", ";", "!", "?", ")", "(", "]", "[", "}", "{", '"', "'", "-", "--", "...", "/", "\\", "*", "+",
-          "=", "<", ">", "_", "|", "^", "$", "%", "&", "#", "@", "~", "`")  # fmt: skip
+_PUNCT = (
+    ",",
+    ".",
+    ":",
+    ";",
+    "!",
+    "?",
+    ")",
+    "(",
+    "]",
+    "[",
+    "}",
+    "{",
+    '"',
+    "'",
+    "-",
+    "--",
+    "...",
+    "/",
+    "\\",
+    "*",
+    "+",
+    "=",
+    "<",
+    ">",
+    "_",
+    "|",
+    "^",
+    "$",
+    "%",
+    "&",
+    "#",
+    "@",
+    "~",
+    "`",
+)
 _MULTIBYTE = "éèêëàâäçñöüßøåæœíóúÁÉÖÜαβγδεζηθλμπσφωΔΣΩ→←⇒≤≥≠∑∫√∞×÷·°•–—“”‘’…中文的是一不了人我在有他这为之大来以个国到说们和地也子时道出而要于就下得可你年生自会那后能对着事其里所去行过家十用发天如然作方成者多日都三小军二无同么经法当起与好看学进种将还分此心前面又定见只主没公从"  # noqa: E501
 
 
@@ -105,7 +203,9 @@ def write_tokenizer(path: Path, size: int = QWEN3_VOCAB_SIZE) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     texts = synthetic_vocab(size)
-    pieces = [(f"<0x{i:02X}>" if t == "\ufffd" else t, -20.0 if i < 256 else -(len(t) ** 0.5)) for i, t in enumerate(texts)]
+    pieces = [
+        (f"<0x{i:02X}>" if t == "\ufffd" else t, -20.0 if i < 256 else -(len(t) ** 0.5)) for i, t in enumerate(texts)
+    ]
     tok = Tokenizer(models.Unigram(pieces, unk_id=None, byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(list(SPECIAL_TOKENS))

@@ -78,7 +78,9 @@ def _stamp(spec: WideSpec, source: Path) -> str:
 
 
 def _current(out: Path, stamp: str) -> bool:
-    return (out / "model.safetensors").exists() and (out / STAMP_FILE).exists() and (out / STAMP_FILE).read_text() == stamp
+    return (
+        (out / "model.safetensors").exists() and (out / STAMP_FILE).exists() and (out / STAMP_FILE).read_text() == stamp
+    )
 
 
 def widen(source: Path, out: Path, spec: WideSpec) -> None:
@@ -91,8 +93,15 @@ def widen(source: Path, out: Path, spec: WideSpec) -> None:
     head_dim = config.get("head_dim") or d_old // config["num_attention_heads"]
     if config["num_key_value_heads"] != config["num_attention_heads"]:
         raise ValueError("widening supports models without grouped-query attention only")
-    if not (d_new >= d_old and spec.num_heads >= config["num_attention_heads"] and spec.intermediate_size >= config["intermediate_size"]):
-        raise ValueError(f"{spec} does not widen {source} (hidden {d_old}, {config['num_attention_heads']} heads, MLP {config['intermediate_size']})")
+    if not (
+        d_new >= d_old
+        and spec.num_heads >= config["num_attention_heads"]
+        and spec.intermediate_size >= config["intermediate_size"]
+    ):
+        raise ValueError(
+            f"{spec} does not widen {source} (hidden {d_old}, {config['num_attention_heads']} heads, MLP "
+            f"{config['intermediate_size']})"
+        )
     old = load_file(str(source / "model.safetensors"))
     gen = torch.Generator().manual_seed(spec.seed)
     norm_scale = math.sqrt(d_old / d_new)
@@ -108,7 +117,9 @@ def widen(source: Path, out: Path, spec: WideSpec) -> None:
 
     heads = spec.num_heads * head_dim
     tensors: dict[str, torch.Tensor] = {}
-    tensors["model.embed_tokens.weight"] = grown("model.embed_tokens.weight", (config["vocab_size"], d_new), reads=False)
+    tensors["model.embed_tokens.weight"] = grown(
+        "model.embed_tokens.weight", (config["vocab_size"], d_new), reads=False
+    )
     tensors["model.norm.weight"] = _norm(old["model.norm.weight"], d_new, norm_scale)
     layers = config["num_hidden_layers"] + spec.identity_layers
     for i in range(layers):
@@ -121,8 +132,12 @@ def widen(source: Path, out: Path, spec: WideSpec) -> None:
             tensors[p + f"self_attn.{proj}.weight"] = grown(p + f"self_attn.{proj}.weight", (heads, d_new), reads=True)
         tensors[p + "self_attn.o_proj.weight"] = grown(p + "self_attn.o_proj.weight", (d_new, heads), reads=False)
         for proj in ("gate_proj", "up_proj"):
-            tensors[p + f"mlp.{proj}.weight"] = grown(p + f"mlp.{proj}.weight", (spec.intermediate_size, d_new), reads=True)
-        tensors[p + "mlp.down_proj.weight"] = grown(p + "mlp.down_proj.weight", (d_new, spec.intermediate_size), reads=False)
+            tensors[p + f"mlp.{proj}.weight"] = grown(
+                p + f"mlp.{proj}.weight", (spec.intermediate_size, d_new), reads=True
+            )
+        tensors[p + "mlp.down_proj.weight"] = grown(
+            p + "mlp.down_proj.weight", (d_new, spec.intermediate_size), reads=False
+        )
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = grown("lm_head.weight", (config["vocab_size"], d_new), reads=False)
 

@@ -20,8 +20,16 @@ from relay_serve.bench.vllm_baseline import engine_cli_args
 
 
 def engine_request(model: str, prompt: int, cached: int, out: int, ttft: float, decode: float) -> dict:
-    return {"model": model, "prompt_tokens": prompt, "cached_tokens": cached, "output_tokens": out, "ttft_s": ttft, "decode_s": decode,
-            "engine_s": ttft + decode + 0.001, "wall_s": ttft + decode + 0.002}  # fmt: skip
+    return {
+        "model": model,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": out,
+        "ttft_s": ttft,
+        "decode_s": decode,
+        "engine_s": ttft + decode + 0.001,
+        "wall_s": ttft + decode + 0.002,
+    }
 
 
 def relay_result(latency: float, correct: bool = True) -> dict:
@@ -32,16 +40,40 @@ def relay_result(latency: float, correct: bool = True) -> dict:
         engine_request("large", 36, 32, 4, ttft=0.040, decode=3 * 0.020),
     ]
     engine_s = sum(e["engine_s"] for e in reqs)
-    usage = {"completion_tokens": 20, "relay": {"large_tokens": 15, "small_tokens": 5, "switches": 2, "wall_s": engine_s + 0.004, "engine_s": engine_s}}
-    return {"_latency_s": latency, "_correct": correct, "usage": usage, "relay_engine_requests": reqs,
-            "choices": [{"message": {"content": "x"}}]}  # fmt: skip
+    usage = {
+        "completion_tokens": 20,
+        "relay": {
+            "large_tokens": 15,
+            "small_tokens": 5,
+            "switches": 2,
+            "wall_s": engine_s + 0.004,
+            "engine_s": engine_s,
+        },
+    }
+    return {
+        "_latency_s": latency,
+        "_correct": correct,
+        "usage": usage,
+        "relay_engine_requests": reqs,
+        "choices": [{"message": {"content": "x"}}],
+    }
 
 
 def single_result(latency: float, model: str, tokens: int, step: float) -> dict:
     reqs = [engine_request(model, 20, 0, tokens, ttft=0.03, decode=(tokens - 1) * step)]
-    relay = {"large_tokens": tokens if model == "large" else 0, "small_tokens": tokens if model == "small" else 0, "switches": 0,
-             "wall_s": latency - 0.01, "engine_s": reqs[0]["engine_s"]}  # fmt: skip
-    return {"_latency_s": latency, "_correct": True, "usage": {"completion_tokens": tokens, "relay": relay}, "relay_engine_requests": reqs}
+    relay = {
+        "large_tokens": tokens if model == "large" else 0,
+        "small_tokens": tokens if model == "small" else 0,
+        "switches": 0,
+        "wall_s": latency - 0.01,
+        "engine_s": reqs[0]["engine_s"],
+    }
+    return {
+        "_latency_s": latency,
+        "_correct": True,
+        "usage": {"completion_tokens": tokens, "relay": relay},
+        "relay_engine_requests": reqs,
+    }
 
 
 def test_pct():
@@ -63,7 +95,11 @@ def test_run_metrics_of_relay_responses():
     assert m.router_overhead_per_switch_ms_p50 == pytest.approx(2.0)
     assert m.cached_prompt_token_ratio == round(32 / 87, 4)
     # every engine request after a generation's first is a handoff
-    assert m.handoff["large"].resumed_per_request == 1 and m.handoff["large"].ttft_ms == 40.0 and m.handoff["large"].recomputed_tokens == 4
+    assert (
+        m.handoff["large"].resumed_per_request == 1
+        and m.handoff["large"].ttft_ms == 40.0
+        and m.handoff["large"].recomputed_tokens == 4
+    )
     assert m.handoff["small"].ttft_ms == 8.0 and m.handoff["small"].recomputed_tokens == 31
     split = m.split_ms
     assert split["decode"] == pytest.approx(310.0) and split["router"] == pytest.approx(4.0)
@@ -73,7 +109,12 @@ def test_run_metrics_of_relay_responses():
 
 
 def test_run_metrics_of_a_plain_openai_server():
-    plain = {"_latency_s": 1.0, "_correct": True, "usage": {"completion_tokens": 50}, "choices": [{"message": {"content": "x"}}]}
+    plain = {
+        "_latency_s": 1.0,
+        "_correct": True,
+        "usage": {"completion_tokens": 50},
+        "choices": [{"message": {"content": "x"}}],
+    }
     m = run_metrics("vllm-large", 1, 0, [plain], wall_s=1.0)
     assert m.latency_p50_s == 1.0 and m.pass_at_1 == 1.0 and m.s_per_token == 0.02
     assert m.small_token_share is None and m.ideal_s_per_token is None and m.decode_ms_per_token == {}
@@ -105,7 +146,15 @@ def test_an_achieved_speedup_above_its_bound_is_a_measurement_error():
     assert lv.achieved_over_ideal.max > 1.05 and lv.measurement_error
     from relay_serve.bench.render import markdown
 
-    report = BenchReport(started="t", machine="m", command="relay-serve bench", settings={"rounds": 3}, pair=PairInfo(large="a", small="b"), levels=[lv], runs=[])
+    report = BenchReport(
+        started="t",
+        machine="m",
+        command="relay-serve bench",
+        settings={"rounds": 3},
+        pair=PairInfo(large="a", small="b"),
+        levels=[lv],
+        runs=[],
+    )
     assert "a measurement error, not a result" in markdown(report)
 
 
@@ -113,17 +162,30 @@ def test_report_files_and_summary_line(tmp_path):
     from relay_serve.bench.render import markdown, plots
 
     runs = runs_of_three_rounds()
-    runs += [run_metrics("vllm-large", 1, k, [{"_latency_s": 0.55, "_correct": True, "usage": {"completion_tokens": 20}}], 1.0) for k in range(3)]
+    runs += [
+        run_metrics(
+            "vllm-large", 1, k, [{"_latency_s": 0.55, "_correct": True, "usage": {"completion_tokens": 20}}], 1.0
+        )
+        for k in range(3)
+    ]
     runs += [run_metrics("relay-bounded", 1, k, [relay_result(0.45)], 1.0) for k in range(3)]
     runs += [run_metrics("relay-beside-relay-bounded", 1, k, [relay_result(0.42)], 1.0) for k in range(3)]
     report = BenchReport(
-        started="2026-12-04 12:00", machine="x86_64, 2 CPUs", command="relay-serve bench", settings={"rounds": 3},
-        pair=PairInfo(large="toy:large-wide", small="toy:small", cue_set_version="v1", cues=["Thus,"]), levels=[level_report(1, runs)], runs=runs,
+        started="2026-12-04 12:00",
+        machine="x86_64, 2 CPUs",
+        command="relay-serve bench",
+        settings={"rounds": 3},
+        pair=PairInfo(large="toy:large-wide", small="toy:small", cue_set_version="v1", cues=["Thus,"]),
+        levels=[level_report(1, runs)],
+        runs=runs,
         variants={"relay-bounded": "at most 4 small-model segments in flight"},
-    )  # fmt: skip
+    )
     md = markdown(report)
     assert "`relay-serve bench`" in md and "toy:large-wide" in md and "| 1 | relay | large | 1.5 [" in md
-    assert "| paper | vllm-large | 1 | 0.55 |" in md and "| at most 4 small-model segments in flight | paper | 1 | 0.45 |" in md
+    assert (
+        "| paper | vllm-large | 1 | 0.55 |" in md
+        and "| at most 4 small-model segments in flight | paper | 1 | 0.45 |" in md
+    )
     assert "| the defaults | paper | 1 | 0.42 |" in md
     assert "| paper | 1 | large | 1.0 | 40.0 | 20.0 | 4.0 |" in md
     paths = plots(report, tmp_path)
@@ -132,20 +194,52 @@ def test_report_files_and_summary_line(tmp_path):
     summary = report.summary()
     (level,) = summary["levels"]
     assert set(level) == {
-        "concurrency", "speedup", "ideal", "achieved_over_ideal", "measurement_error", "relay_pass_at_1", "large_pass_at_1",
-        "relay_p50_s", "large_p50_s", "vllm_large_p50_s", "router_overhead_per_switch_ms", "modes", "spec_acceptance_length",
-    }  # fmt: skip
-    assert level["vllm_large_p50_s"] == 0.55 and summary["pair"]["large"] == "toy:large-wide" and summary["sampling"] == "paper"
+        "concurrency",
+        "speedup",
+        "ideal",
+        "achieved_over_ideal",
+        "measurement_error",
+        "relay_pass_at_1",
+        "large_pass_at_1",
+        "relay_p50_s",
+        "large_p50_s",
+        "vllm_large_p50_s",
+        "router_overhead_per_switch_ms",
+        "modes",
+        "spec_acceptance_length",
+    }
+    assert (
+        level["vllm_large_p50_s"] == 0.55
+        and summary["pair"]["large"] == "toy:large-wide"
+        and summary["sampling"] == "paper"
+    )
     assert level["modes"]["vllm-large"] == {"p50_s": 0.55, "tok_s": 20.0, "pass_at_1": 1.0}
-    assert BenchReport.model_validate_json(report.model_dump_json()) == report  # bench.json reads back as the typed report
+    assert (
+        BenchReport.model_validate_json(report.model_dump_json()) == report
+    )  # bench.json reads back as the typed report
 
 
 def test_engine_arguments_become_vllm_flags():
-    flags = engine_cli_args({"max_model_len": 1024, "enforce_eager": True, "dtype": "float32", "speculative_config": {"method": "eagle3"}, "x": False})
+    flags = engine_cli_args(
+        {
+            "max_model_len": 1024,
+            "enforce_eager": True,
+            "dtype": "float32",
+            "speculative_config": {"method": "eagle3"},
+            "x": False,
+        }
+    )
     assert flags == [
-        "--enable-prefix-caching", "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32",
-        "--speculative-config", '{"method": "eagle3"}', "--no-x",
-    ]  # fmt: skip
+        "--enable-prefix-caching",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--speculative-config",
+        '{"method": "eagle3"}',
+        "--no-x",
+    ]
     assert engine_cli_args({"enable_prefix_caching": False})[0] == "--no-enable-prefix-caching"
 
 
@@ -177,9 +271,13 @@ def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
 
     body = dict(max_tokens=200, temperature=0.8, top_p=0.95, top_k=20)
     prompts = ["Start at b3. Follow the map four times.", "Start at k11. Follow the map five times."]
-    ours, _ = asyncio.run(fire(relay_app, [chat_body("large", p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2))
+    ours, _ = asyncio.run(
+        fire(relay_app, [chat_body("large", p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2)
+    )
     with VLLMServer(AppConfig().large, port=free_port(), log=tmp_path / "vllm.log") as vllm:
-        theirs, _ = asyncio.run(fire(vllm.base, [chat_body(vllm.served_name, p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2))
+        theirs, _ = asyncio.run(
+            fire(vllm.base, [chat_body(vllm.served_name, p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2)
+        )
     texts = [[r["choices"][0]["message"]["content"] for r in rs] for rs in (ours, theirs)]
     assert texts[0] == texts[1] and all("</think>" in t for t in texts[0])
 
@@ -197,11 +295,23 @@ def test_profiles_refused_modes_and_speculative_pairs(tmp_path):
     from relay_serve.bench.render import markdown, plots
     from relay_serve.bench.report import SpecStats
 
-    refused = {"_error": "HTTP 400: temperature=0.6: the large model's engine runs only greedy sampling correctly", "_status": 400}
+    refused = {
+        "_error": "HTTP 400: temperature=0.6: the large model's engine runs only greedy sampling correctly",
+        "_status": 400,
+    }
     runs = []
     for sampling in ("greedy", "paper"):
         for k in range(3):
-            runs.append(run_metrics("large", 1, k, [single_result(0.60, "large", 20, 0.02) | {"choices": [{"message": {"content": "same"}}]}], 1.0, sampling))
+            runs.append(
+                run_metrics(
+                    "large",
+                    1,
+                    k,
+                    [single_result(0.60, "large", 20, 0.02) | {"choices": [{"message": {"content": "same"}}]}],
+                    1.0,
+                    sampling,
+                )
+            )
             runs.append(run_metrics("relay", 1, k, [relay_result(0.40)], 1.0, sampling))
             if sampling == "greedy":
                 fast = run_metrics("large+spec", 1, k, [spec_result(0.20)], 1.0, sampling)
@@ -211,10 +321,19 @@ def test_profiles_refused_modes_and_speculative_pairs(tmp_path):
             else:
                 runs += [run_metrics(m, 1, k, [refused], 1.0, sampling) for m in ("large+spec", "relay+spec")]
     levels = [level_report(1, [r for r in runs if r.sampling == p]) for p in ("greedy", "paper")]
-    report = BenchReport(started="t", machine="m", command="relay-serve bench --sampling greedy,paper", settings={"rounds": 3, "spec_tokens": 4},
-                         pair=PairInfo(large="a", small="b"), levels=levels, runs=runs)  # fmt: skip
+    report = BenchReport(
+        started="t",
+        machine="m",
+        command="relay-serve bench --sampling greedy,paper",
+        settings={"rounds": 3, "spec_tokens": 4},
+        pair=PairInfo(large="a", small="b"),
+        levels=levels,
+        runs=runs,
+    )
     greedy, paper = levels
-    assert greedy.speedups["relay+spec"].over == "large+spec" and greedy.speedups["relay+spec"].speedup.median == pytest.approx(0.8)
+    assert greedy.speedups["relay+spec"].over == "large+spec" and greedy.speedups[
+        "relay+spec"
+    ].speedup.median == pytest.approx(0.8)
     assert "relay+spec" not in paper.speedups or paper.speedups["relay+spec"].speedup.median is None
     assert greedy.same_text == {"large=large+spec": 1.0, "relay=relay+spec": 0.0}
     assert paper.same_text == {}  # sampled texts are not compared
@@ -224,7 +343,13 @@ def test_profiles_refused_modes_and_speculative_pairs(tmp_path):
     assert "## Sampling: greedy" in md and "## Sampling: the paper's" in md and "| refused |" in md
     assert "large+spec, paper sampling: 3 failed in all; HTTP 400: temperature=0.6" in md
     names = [p.name for p in plots(report, tmp_path)]
-    assert names == ["speedup.png", "modes-greedy.png", "relay_time_split-greedy.png", "modes-paper.png", "relay_time_split-paper.png"]
+    assert names == [
+        "speedup.png",
+        "modes-greedy.png",
+        "relay_time_split-greedy.png",
+        "modes-paper.png",
+        "relay_time_split-paper.png",
+    ]
     lines = report.summaries()
     assert [line["sampling"] for line in lines] == ["greedy", "paper"]
     g, p = (line["levels"][0] for line in lines)
@@ -254,9 +379,17 @@ def test_the_speculative_app_and_its_schedule():
     cfg = default_pair()
     spec = spec_app(cfg, 8, parse_schedule("1-31:8,32-:0"))
     draft = spec.large.engine_args["speculative_config"]
-    assert (spec.name, spec.route_prefix, draft["method"], draft["model"]) == ("spec", "/spec", "draft_model", "toy:small")
+    assert (spec.name, spec.route_prefix, draft["method"], draft["model"]) == (
+        "spec",
+        "/spec",
+        "draft_model",
+        "toy:small",
+    )
     assert spec.large.resolved_engine_args["speculative_config"]["model"] == cfg.small.model_path
-    assert draft["num_speculative_tokens"] == 8 and draft["num_speculative_tokens_per_batch_size"] == [[1, 31, 8], [32, 1 << 16, 0]]
+    assert draft["num_speculative_tokens"] == 8 and draft["num_speculative_tokens_per_batch_size"] == [
+        [1, 31, 8],
+        [32, 1 << 16, 0],
+    ]
     assert "speculative_config" not in cfg.large.engine_args  # the default app is left as it was
     assert spec.cues.store_uri == cfg.cues.store_uri  # the same pair: the same calibrated cues
 
@@ -265,13 +398,27 @@ def test_the_sweep_serves_the_shortest_exact_draft_within_two_percent_of_the_fas
     from relay_serve.bench.spec_sweep import BatchFigures, DraftLength, SweepReport
 
     def k(n, speeds, same=1.0):
-        return DraftLength(k=n, batches=[BatchFigures(batch=b, tok_s=v, acceptance_length=None, same_text_as_k0=same, pass_at_1=1.0)
-                                         for b, v in zip((1, 8, 32, 64), speeds)])  # fmt: skip
+        return DraftLength(
+            k=n,
+            batches=[
+                BatchFigures(batch=b, tok_s=v, acceptance_length=None, same_text_as_k0=same, pass_at_1=1.0)
+                for b, v in zip((1, 8, 32, 64), speeds, strict=True)
+            ],
+        )
 
-    report = SweepReport(model="l", draft="s", problems=64, resumable="fails", ks=[
-        k(0, [100, 400, 800, 900]), k(2, [200, 700, 960, 950]), k(8, [340, 800, 930, 905]),
-        k(12, [345, 790, 915, 700]), k(16, [400, 900, 990, 999], same=0.9),  # fastest, but not exact: never chosen
-    ])  # fmt: skip
+    report = SweepReport(
+        model="l",
+        draft="s",
+        problems=64,
+        resumable="fails",
+        ks=[
+            k(0, [100, 400, 800, 900]),
+            k(2, [200, 700, 960, 950]),
+            k(8, [340, 800, 930, 905]),
+            k(12, [345, 790, 915, 700]),
+            k(16, [400, 900, 990, 999], same=0.9),  # fastest, but not exact: never chosen
+        ],
+    )
     assert [report.best_k(b) for b in (1, 8, 32, 64)] == [8, 8, 2, 2]  # 12 is faster at 1, but within 2%
     assert report.schedule() == [[1, 31, 8], [32, 1 << 16, 2]]
     assert "1-31" not in report.table() and "[[1, 31, 8], [32, 65536, 2]]" in report.table()

@@ -15,7 +15,9 @@ def test_every_resume_is_timed_and_the_resumable_ones_compute_only_what_is_new()
     by = {m.method: m for m in report.methods}
     assert set(by) == {"new request", "resumable", "resumable, pre-fed"}
     assert report.decode_step_ms > 0 and all(m.ttft_ms_median > 0 for m in report.methods)
-    assert by["resumable"].recomputed_tokens == 10 and by["resumable, pre-fed"].recomputed_tokens == 1  # the pending token and the sentence
+    assert (
+        by["resumable"].recomputed_tokens == 10 and by["resumable, pre-fed"].recomputed_tokens == 1
+    )  # the pending token and the sentence
     assert by["new request"].recomputed_tokens >= 10  # the sentence and the pending token, plus the last block's tail
     from vllm.platforms import current_platform
 

@@ -15,7 +15,13 @@ def test_the_hotpath_bench_reports_every_figure(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["vocab_size"] == 151_936 and report["index_build_s"] > 0
     assert 0 < report["pause_ids_ms"] < report["pause_ids_scan_ms"] and report["pause_ids_64_chars_ms"] > 0
-    for key in ("router_cpu_ms_per_switch", "replica_cpu_ms_per_segment", "router_cpu_us_per_token", "replica_cpu_us_per_token", "prompt_tokenize_ms"):
+    for key in (
+        "router_cpu_ms_per_switch",
+        "replica_cpu_ms_per_segment",
+        "router_cpu_us_per_token",
+        "replica_cpu_us_per_token",
+        "prompt_tokenize_ms",
+    ):
         assert set(report[key]) == {"1k", "2k"} and all(v > 0 for v in report[key].values()), key
     assert all(n >= 2 for n in report["switches_per_request"].values())  # the trace's cues made the models switch
 

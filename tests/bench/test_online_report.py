@@ -10,7 +10,10 @@ from relay_serve.bench.online import _in_store
 @pytest.mark.parametrize(
     ("source", "kept"),
     [
-        ("file:///tmp/relay-converge-store-ab12/cues/versions/20261204T115222-manual-6042f1.json", "versions/20261204T115222-manual-6042f1.json"),
+        (
+            "file:///tmp/relay-converge-store-ab12/cues/versions/20261204T115222-manual-6042f1.json",
+            "versions/20261204T115222-manual-6042f1.json",
+        ),
         ("s3://bucket/prefix/versions/v1.json", "versions/v1.json"),
         ("", ""),
         ("embedded default", "embedded default"),

@@ -14,7 +14,9 @@ def test_the_router_must_be_empty_afterwards_not_just_back_where_it_was():
     assert failed_checks(0, EMPTY) == []
     # a session pinned before the load and still pinned after is a leak all the same
     assert failed_checks(0, {**EMPTY, "affinity_sessions": 1}) == ["1 sessions still pinned to replicas"]
-    assert failed_checks(0, {**EMPTY, "segments_in_flight": {"large": 0, "small": 2}})[0].startswith("segments still in flight")
+    assert failed_checks(0, {**EMPTY, "segments_in_flight": {"large": 0, "small": 2}})[0].startswith(
+        "segments still in flight"
+    )
     assert failed_checks(0, {**EMPTY, "idle_leases": 3}) == ["3 idle leases did not expire"]
     assert failed_checks(2, {**EMPTY, "in_flight": 1}) == ["2 requests failed", "1 generations still in flight"]
 

@@ -52,7 +52,9 @@ def test_nothing_is_published_when_a_stage_fails(ray_cluster, tmp_path):
     store_uri = (tmp_path / "cues").as_uri()
     app = AppConfig.model_validate({"cues": {"store_uri": store_uri}})
     # no candidate can pass: the selection stage fails
-    cfg = CalibrationConfig(app=app, num_prompts=2, samples_per_prompt=1, candidates=["Zebra,"], report_dir=str(tmp_path / "r"))
+    cfg = CalibrationConfig(
+        app=app, num_prompts=2, samples_per_prompt=1, candidates=["Zebra,"], report_dir=str(tmp_path / "r")
+    )
     with pytest.raises(RuntimeError, match="no candidate cue"):
         run(cfg, progress=False)
     assert CueStore(store_uri).latest_version() is None
@@ -71,22 +73,59 @@ def test_calibration_as_a_ray_job(tmp_path):
     env.pop("RAY_ADDRESS", None)
     ray_bin = str(Path(sys.executable).parent / "ray")
     # ports of its own: the session's Ray (other tests) holds the defaults
-    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "ray-client-server-port", "metrics-export-port")]
+    ports = [
+        f"--{name}={free_port()}"
+        for name in ("dashboard-agent-listen-port", "ray-client-server-port", "metrics-export-port")
+    ]
     log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}", "--num-cpus=4",
-         "--include-dashboard=true", "--disable-usage-stats", *ports],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-port={dash}",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+            *ports,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
     )
     try:
         address = f"http://127.0.0.1:{dash}"
         _wait_for_dashboard(address, log_path=tmp_path / "head.log")
         store_uri = (tmp_path / "cues").as_uri()
         out = subprocess.run(
-            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
-             "python", "-m", "calibration_jobs.calibrate", "--num-prompts", "16", "--samples-per-prompt", "4",
-             "--store", store_uri, "--json"],
-            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+            [
+                ray_bin,
+                "job",
+                "submit",
+                "--address",
+                address,
+                "--working-dir",
+                str(ROOT),
+                "--",
+                "python",
+                "-m",
+                "calibration_jobs.calibrate",
+                "--num-prompts",
+                "16",
+                "--samples-per-prompt",
+                "4",
+                "--store",
+                store_uri,
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
         )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])

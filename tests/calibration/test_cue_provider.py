@@ -59,7 +59,19 @@ def test_corrupt_set_and_unreachable_store_keep_the_last_good_set(tmp_path):
     (tmp_path / "cues" / "LATEST").write_text("v2")
     p.refresh()
     assert p.active().version == "v1" and "not a valid cue set" in p.status()["last_error"]
-    cfg = AppConfig.model_validate({"cues": {"store_uri": "s3://nowhere/x", "storage_options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}}})
+    cfg = AppConfig.model_validate(
+        {
+            "cues": {
+                "store_uri": "s3://nowhere/x",
+                "storage_options": {
+                    "endpoint_url": "http://127.0.0.1:9",
+                    "key": "k",
+                    "secret": "s",
+                    "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+                },
+            }
+        }
+    )
     q = CueProvider(cfg, "pair-A")
     q.refresh()
     assert q.active().version == "default" and not q.status()["ok"]

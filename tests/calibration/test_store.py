@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -35,7 +36,7 @@ def make_set(version: str, fingerprint: str = "fp", selected=("Thus,",)) -> CueS
         selected=list(selected),
         rule=SelectionRule(),
         data=CalibrationData(source="toy", num_prompts=1, samples_per_prompt=1, num_traces=1, num_tokens=10),
-        created_at=datetime.now(timezone.utc),
+        created_at=datetime.now(UTC),
     )
 
 
@@ -73,7 +74,9 @@ def test_latest_is_never_rewritten_in_place_and_moves_after_the_version(tmp_path
     store.publish(make_set("v1"))
     ops = []
     pipe, mv = store.fs.pipe_file, store.fs.mv
-    monkeypatch.setattr(store.fs, "pipe_file", lambda path, data, **kw: (ops.append(("write", path)), pipe(path, data, **kw))[1])
+    monkeypatch.setattr(
+        store.fs, "pipe_file", lambda path, data, **kw: (ops.append(("write", path)), pipe(path, data, **kw))[1]
+    )
     monkeypatch.setattr(store.fs, "mv", lambda src, dst, **kw: (ops.append(("rename", dst)), mv(src, dst, **kw))[1])
     store.publish(make_set("v2"))
     latest = store._path("LATEST")
@@ -130,7 +133,9 @@ def s3_endpoint():
 def test_s3_store_on_a_real_endpoint(s3_endpoint, monkeypatch):
     import boto3
 
-    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1").create_bucket(Bucket="cues")
+    boto3.client(
+        "s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
+    ).create_bucket(Bucket="cues")
     # credentials and endpoint from config
     opts = {"key": "k", "secret": "s", "endpoint_url": s3_endpoint}
     store = CueStore("s3://cues/toy", opts)
@@ -147,7 +152,15 @@ def test_s3_store_on_a_real_endpoint(s3_endpoint, monkeypatch):
 
 
 def test_unreachable_store_is_a_store_error():
-    store = CueStore("s3://cues/x", {"key": "k", "secret": "s", "endpoint_url": f"http://127.0.0.1:{free_port()}", "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+    store = CueStore(
+        "s3://cues/x",
+        {
+            "key": "k",
+            "secret": "s",
+            "endpoint_url": f"http://127.0.0.1:{free_port()}",
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+        },
+    )
     with pytest.raises(StoreError):
         store.latest_version()
 
@@ -176,7 +189,9 @@ def test_history_is_in_creation_order_with_provenance(tmp_path):
     store.publish(online)
     history = store.history()
     assert [c.version for c in history] == ["b-first", "a-second"]
-    assert [c.provenance.source for c in history] == ["calibration", "online"] and history[1].provenance.generations == 40
+    assert [c.provenance.source for c in history] == ["calibration", "online"] and history[
+        1
+    ].provenance.generations == 40
 
 
 def test_online_statistics_round_trip(tmp_path):
@@ -204,7 +219,7 @@ def race(uri: str, opts: dict | None = None, trials: int = 50) -> None:
         expect = online.head()[1]
         gate, results = threading.Barrier(2), {}
 
-        def run(name, store, cue_set, **kw):
+        def run(name, store, cue_set, gate=gate, results=results, **kw):
             gate.wait()
             try:
                 store.publish(cue_set, **kw)
@@ -214,7 +229,9 @@ def race(uri: str, opts: dict | None = None, trials: int = 50) -> None:
 
         threads = [
             threading.Thread(target=run, args=("offline", offline, make_set(f"off-{i}"))),
-            threading.Thread(target=run, args=("online", online, make_set(f"on-{i}")), kwargs={"expect_latest": expect}),
+            threading.Thread(
+                target=run, args=("online", online, make_set(f"on-{i}")), kwargs={"expect_latest": expect}
+            ),
         ]
         for t in threads:
             t.start()
@@ -228,7 +245,7 @@ def race(uri: str, opts: dict | None = None, trials: int = 50) -> None:
     assert set(reader.versions()) == published  # a set that lost wrote nothing
     moves = reader.moves()
     assert [m["version"] for m in moves][-1] == f"off-{trials - 1}" and {m["version"] for m in moves} == published
-    assert all(b["previous"] == a["version"] for a, b in zip(moves, moves[1:]))  # no move was lost
+    assert all(b["previous"] == a["version"] for a, b in itertools.pairwise(moves))  # no move was lost
     assert any(m["version"].startswith("on-") for m in moves)  # the online actor won some races too
 
 
@@ -239,5 +256,7 @@ def test_the_offline_job_and_the_online_actor_publishing_at_once_lose_nothing(tm
 def test_the_same_race_on_s3(s3_endpoint):
     import boto3
 
-    boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1").create_bucket(Bucket="race")
+    boto3.client(
+        "s3", endpoint_url=s3_endpoint, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
+    ).create_bucket(Bucket="race")
     race("s3://race/cues", {"key": "k", "secret": "s", "endpoint_url": s3_endpoint})

@@ -50,9 +50,13 @@ stop_st = st.text(alphabet=ALPHABET, min_size=1, max_size=6)
 
 
 @settings(max_examples=400, deadline=None)
-@given(texts=texts_st, stops=st.lists(stop_st, min_size=1, max_size=4), word=st.lists(st.booleans(), min_size=4, max_size=4))
+@given(
+    texts=texts_st,
+    stops=st.lists(stop_st, min_size=1, max_size=4),
+    word=st.lists(st.booleans(), min_size=4, max_size=4),
+)
 def test_the_index_finds_what_a_scan_finds(texts, stops, word):
-    word_stops = frozenset(s for s, w in zip(stops, word) if w)
+    word_stops = frozenset(s for s, w in zip(stops, word, strict=False) if w)
     expected = scan(texts, tuple(stops), word_stops)
     assert PauseTokens(texts).ids(tuple(stops), word_stops) == expected
     assert scan_pause_ids(texts, tuple(stops), word_stops) == expected  # the reference the bench measures against
@@ -65,7 +69,11 @@ long_text = st.text(alphabet="ab ,", min_size=6, max_size=11)
 @given(
     texts=st.lists(st.text(alphabet="ab ,", min_size=1, max_size=11), min_size=1, max_size=80),
     inner=st.lists(long_text, min_size=1, max_size=3),
-    around=st.lists(st.tuples(st.text(alphabet="ab ,", min_size=1, max_size=3), st.text(alphabet="ab ,", max_size=3)), min_size=3, max_size=3),
+    around=st.lists(
+        st.tuples(st.text(alphabet="ab ,", min_size=1, max_size=3), st.text(alphabet="ab ,", max_size=3)),
+        min_size=3,
+        max_size=3,
+    ),
     word=st.lists(st.booleans(), min_size=3, max_size=3),
 )
 def test_the_index_finds_what_a_scan_finds_with_long_tokens_and_stops(texts, inner, around, word):
@@ -74,8 +82,8 @@ def test_the_index_finds_what_a_scan_finds_with_long_tokens_and_stops(texts, inn
     (a piece of a start spread over several tokens) and ends in a space or is a word stop, so
     that the rule which finds such pieces is exercised past ``SHORT`` characters."""
     texts = texts + inner
-    stops = tuple(head + t + tail + ("" if w else " ") for t, (head, tail), w in zip(inner, around, word))
-    word_stops = frozenset(s for s, w in zip(stops, word) if w)
+    stops = tuple(head + t + tail + ("" if w else " ") for t, (head, tail), w in zip(inner, around, word, strict=False))
+    word_stops = frozenset(s for s, w in zip(stops, word, strict=False) if w)
     assert PauseTokens(texts).ids(stops, word_stops) == scan(texts, stops, word_stops)
 
 
@@ -83,7 +91,7 @@ def test_a_vocabulary_of_qwen3s_size_is_shaped_like_a_byte_level_bpe():
     texts = synthetic_vocab()
     assert len(texts) == QWEN3_VOCAB_SIZE and texts[-len(SPECIAL_TOKENS) :] == SPECIAL_TOKENS
     assert texts[:256].count("\ufffd") > 100  # bytes that are pieces of multi-byte characters
-    sample = texts[256:-len(SPECIAL_TOKENS)]
+    sample = texts[256 : -len(SPECIAL_TOKENS)]
     spaced = [t for t in sample if t.startswith(" ") and t[1:].isalpha()]
     bare = [t for t in sample if t.isalpha() and t.isascii()]
     assert len(spaced) > 30_000 and len(bare) > 20_000  # words with and without a leading space

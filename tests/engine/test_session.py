@@ -16,7 +16,10 @@ from relay_serve.protocol import SegmentRequest
 from tests.fakes import FakeCodec, FakeResumableEngine
 
 PROMPT = "<think>\n"
-REF = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nWait, c12 -> v13.\n</think>\n\nThe answer is v13."
+REF = (
+    "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nWait, c12 -> v13.\n"
+    "</think>\n\nThe answer is v13."
+)
 
 
 def full_script(full: str):
@@ -32,9 +35,17 @@ def setup(ref: str = REF, extra: str = ""):
     return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts()))
 
 
-def request(codec, context: str, stop: list[str], max_tokens: int = 200, word_stops: list[str] | None = None) -> SegmentRequest:
+def request(
+    codec, context: str, stop: list[str], max_tokens: int = 200, word_stops: list[str] | None = None
+) -> SegmentRequest:
     return SegmentRequest(
-        model="large", prompt_token_ids=codec.encode(context), max_tokens=max_tokens, stop=stop, word_stops=word_stops or [], session_id="gen-1", resume=True
+        model="large",
+        prompt_token_ids=codec.encode(context),
+        max_tokens=max_tokens,
+        stop=stop,
+        word_stops=word_stops or [],
+        session_id="gen-1",
+        resume=True,
     )
 
 
@@ -157,7 +168,11 @@ def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens, data):
     req = request(codec, PROMPT, stops, max_tokens=max_tokens, word_stops=word_stops)
     (plain,) = asyncio.run(_plain(engine, req))
     (ours,) = asyncio.run(collect(session, req))
-    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason), (pieces, stops, max_tokens)
+    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (
+        plain.token_ids,
+        plain.finish_reason,
+        plain.stop_reason,
+    ), (pieces, stops, max_tokens)
 
 
 async def _plain(engine, req):

@@ -38,8 +38,12 @@ def test_async_engine_streams_stops_and_scores():
         engine = VLLMEngine(path, path, TOY_ENGINE_ARGS)
         try:
             req = SegmentRequest(
-                model="large", prompt_token_ids=prompt, max_tokens=200, stop=["Next,", "Thus,", "Wait,"],
-                sampling=SamplingSettings(temperature=0.0), session_id="t",
+                model="large",
+                prompt_token_ids=prompt,
+                max_tokens=200,
+                stop=["Next,", "Thus,", "Wait,"],
+                sampling=SamplingSettings(temperature=0.0),
+                session_id="t",
             )
             chunks = [c async for c in engine.generate(req, "r1")]
             ids = [t for c in chunks for t in c.token_ids]
@@ -84,11 +88,23 @@ def test_resumable_requests_give_what_plain_requests_give():
                 new = None  # tokens the next segment feeds: the pending token and the other model's
                 steps = ((cues, " we are at v13.\n\n"), (list(SENTENCE_STOPS), ""), (cues, "\n</think>\n\n"), ([], ""))
                 for stop, extra in steps:  # the last: no stop string, ends at EOS (after a pause on a stop token)
-                    req = SegmentRequest(model="large", prompt_token_ids=context, max_tokens=120, stop=stop, session_id="g",
-                                         word_stops=stop if stop is cues else [], sampling=SamplingSettings(temperature=0.0), resume=True)  # fmt: skip
+                    req = SegmentRequest(
+                        model="large",
+                        prompt_token_ids=context,
+                        max_tokens=120,
+                        stop=stop,
+                        session_id="g",
+                        word_stops=stop if stop is cues else [],
+                        sampling=SamplingSettings(temperature=0.0),
+                        resume=True,
+                    )
                     plain = [c async for c in engine.generate(req, f"p{len(context)}", stream=False)][-1]
                     ours = [c async for c in session.segment(req, stream=False)][-1]
-                    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (plain.token_ids, plain.finish_reason, plain.stop_reason)
+                    assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == (
+                        plain.token_ids,
+                        plain.finish_reason,
+                        plain.stop_reason,
+                    )
                     assert ours.decode_steps is not None and ours.ttft_s > 0
                     if new is not None:  # only what is new was computed again
                         assert len(context) - ours.cached_tokens == new
@@ -125,16 +141,31 @@ def test_a_speculative_engine_stops_where_the_plain_engine_stops():
         fast = VLLMEngine(path, path, {**TOY_ENGINE_ARGS, "speculative_config": spec})
         segments = 0
         try:
-            assert not fast.can_resume() and fast.info().traits.greedy_only and fast.info().traits.speculative == "draft_model k=8"
+            assert (
+                not fast.can_resume()
+                and fast.info().traits.greedy_only
+                and fast.info().traits.speculative == "draft_model k=8"
+            )
             for i, problem in enumerate(ToyWorld().sample_heldout(6, seed=11)):
                 context = codec.encode(codec.render_chat([{"role": "user", "content": problem.prompt}]))
                 for stop in (cues, list(SENTENCE_STOPS), cues, list(SENTENCE_STOPS), []):
-                    req = SegmentRequest(model="large", prompt_token_ids=context, max_tokens=200, stop=stop, session_id="g",
-                                         word_stops=stop if stop is cues else [], sampling=SamplingSettings(temperature=0.0))  # fmt: skip
+                    req = SegmentRequest(
+                        model="large",
+                        prompt_token_ids=context,
+                        max_tokens=200,
+                        stop=stop,
+                        session_id="g",
+                        word_stops=stop if stop is cues else [],
+                        sampling=SamplingSettings(temperature=0.0),
+                    )
                     a = [c async for c in plain.generate(req, f"p{i}-{len(context)}", stream=False)][-1]
                     b = [c async for c in fast.generate(req, f"s{i}-{len(context)}", stream=True)]
                     ids = [t for c in b for t in c.token_ids]
-                    assert (ids, b[-1].finish_reason, b[-1].stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
+                    assert (ids, b[-1].finish_reason, b[-1].stop_reason) == (
+                        a.token_ids,
+                        a.finish_reason,
+                        a.stop_reason,
+                    )
                     if isinstance(a.stop_reason, str):
                         assert codec.decode(ids).endswith(a.stop_reason)
                     segments += 1

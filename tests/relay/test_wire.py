@@ -31,5 +31,7 @@ def test_a_segment_request_takes_its_ids_packed_or_as_a_list(ids):
 @pytest.mark.parametrize("value", [b"\x01\x00\x00", b"\x01\x00\x00\x00\x02", ["a"], [-1.5]])
 def test_malformed_ids_are_refused_naming_the_field(value):
     with pytest.raises(ValidationError) as e:
-        SegmentRequest.model_validate({"model": "large", "max_tokens": 4, "session_id": "gen-1", "prompt_token_ids": value})
+        SegmentRequest.model_validate(
+            {"model": "large", "max_tokens": 4, "session_id": "gen-1", "prompt_token_ids": value}
+        )
     assert e.value.errors()[0]["loc"][0] == "prompt_token_ids"

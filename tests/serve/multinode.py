@@ -23,7 +23,11 @@ def app_config():
     from relay_serve.config import AppConfig
 
     cfg = AppConfig(name="multinode")
-    for d, resource in ((cfg.large.deployment, "relay_large"), (cfg.small.deployment, "relay_small"), (cfg.router.deployment, "relay_router")):
+    for d, resource in (
+        (cfg.large.deployment, "relay_large"),
+        (cfg.small.deployment, "relay_small"),
+        (cfg.router.deployment, "relay_router"),
+    ):
         d.ray_actor_options["num_cpus"] = 1
         d.ray_actor_options["resources"] = {resource: 1}
     cfg.router.small_timeout_s = 3.0  # a gone small node costs a relay request at most this
@@ -32,7 +36,13 @@ def app_config():
 
 
 def body(prompt: str, seed: int) -> dict:
-    return {"model": "relay", "messages": [{"role": "user", "content": prompt}], "max_tokens": 400, "seed": seed, "relay_trace": True}
+    return {
+        "model": "relay",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 400,
+        "seed": seed,
+        "relay_trace": True,
+    }
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, seed: int) -> dict:
@@ -43,8 +53,12 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, seed: int) -> di
     if r.status_code != 200:
         return {**row, "error": r.text[:500]}
     data = r.json()
-    return {**row, "usage": data["usage"], "text": data["choices"][0]["message"]["content"],
-            "engine_requests": data.get("relay_engine_requests", [])}  # fmt: skip
+    return {
+        **row,
+        "usage": data["usage"],
+        "text": data["choices"][0]["message"]["content"],
+        "engine_requests": data.get("relay_engine_requests", []),
+    }
 
 
 async def send(url: str, prompts: list[str], seed0: int) -> list[dict]:

@@ -22,7 +22,9 @@ def test_a_request_waiting_for_a_full_replica_does_not_spin(ray_cluster):
     @serve.deployment(
         max_ongoing_requests=1,
         ray_actor_options={"num_cpus": 0},
-        request_router_config=RequestRouterConfig(request_router_class="relay_serve.router.affinity.SessionAffinityRouter"),
+        request_router_config=RequestRouterConfig(
+            request_router_class="relay_serve.router.affinity.SessionAffinityRouter"
+        ),
     )
     class Slow:
         async def __call__(self, s: float) -> float:
@@ -39,6 +41,8 @@ def test_a_request_waiting_for_a_full_replica_does_not_spin(ray_cluster):
         threading.Event().wait(3.0)
         cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
         assert waiting.result(timeout_s=30) == 0.0 and busy.result(timeout_s=30) == 6.0
-        assert cpu < 0.3 * wall, f"this process used {cpu:.2f} s of CPU in {wall:.2f} s while a request waited for a replica"
+        assert cpu < 0.3 * wall, (
+            f"this process used {cpu:.2f} s of CPU in {wall:.2f} s while a request waited for a replica"
+        )
     finally:
         serve.delete("affinity-spin")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
@@ -45,7 +47,7 @@ def test_chat_streamed_equals_non_streamed_and_usage_adds_up(client, model):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     trace = resp.model_extra["relay_trace"]
     assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
-    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(trace))
     streamed, usage, _ = _chat(client, model, stream=True, seed=11, temperature=0.7)
     assert streamed == text
     assert usage.completion_tokens == resp.usage.completion_tokens
@@ -70,7 +72,11 @@ def test_completions_streamed_and_not(client, model):
     resp = client.completions.create(model=model, prompt=prompt, max_tokens=200)
     text = resp.choices[0].text
     assert resp.usage.completion_tokens > 0 and text.startswith("<think>")
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=200, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=model, prompt=prompt, max_tokens=200, stream=True)
+        if c.choices
+    )
     assert streamed == text
 
 
@@ -195,7 +201,10 @@ def test_a_router_that_cannot_read_the_model_files_starts_and_serves(relay_app):
         body = {"model": "relay", "messages": [{"role": "user", "content": PROMPT}]}
         r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert "\\boxed{" in r.json()["choices"][0]["message"]["content"] and r.json()["usage"]["relay"]["small_tokens"] > 0
+        assert (
+            "\\boxed{" in r.json()["choices"][0]["message"]["content"]
+            and r.json()["usage"]["relay"]["small_tokens"] > 0
+        )
         health = httpx.get(base + "/health", timeout=10).json()
         assert health["status"] in ("ok", "degraded") and health["models"]["pair_fingerprint"] == pair_fingerprint(cfg)
         assert health["models"]["large"]["max_model_len"] == cfg.large.engine_args["max_model_len"]

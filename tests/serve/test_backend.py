@@ -1,4 +1,5 @@
-"""ServeBackend with the handle transport over fake handles: chunks pass through, an early close cancels the Ray response,
+"""ServeBackend with the handle transport over fake handles: chunks pass through, an early close cancels the Ray
+response,
 failures are typed by who can recover."""
 
 import asyncio
@@ -46,7 +47,11 @@ def req(model="large"):
     return SegmentRequest(model=model, prompt_token_ids=[1, 2], max_tokens=4, session_id="gen-9")
 
 
-CHUNKS = [EngineChunk(token_ids=[5]), EngineChunk(token_ids=[6]), EngineChunk(token_ids=[7], finished=True, finish_reason="length")]
+CHUNKS = [
+    EngineChunk(token_ids=[5]),
+    EngineChunk(token_ids=[6]),
+    EngineChunk(token_ids=[7], finished=True, finish_reason="length"),
+]
 
 
 def test_chunks_pass_through_with_the_session_id():

@@ -130,7 +130,7 @@ def test_own_request_leaves_the_callers_context_alone():
     assert seen == {"inside": "", "after": PARENT}
 
 
-CALLER_SRC = '''
+CALLER_SRC = """
 import asyncio, contextvars, time
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -138,7 +138,9 @@ from relay_serve.router.affinity import SessionAffinityRouter
 from relay_serve.router.calls import own_request
 
 
-@serve.deployment(max_ongoing_requests=1, request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter))
+@serve.deployment(
+    max_ongoing_requests=1, request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter)
+)
 class Worker:
     async def hold(self, s: float) -> str:
         await asyncio.sleep(s)
@@ -167,7 +169,7 @@ class Caller:
         except (asyncio.TimeoutError, TimeoutError):
             third.cancel()
             return False
-'''
+"""
 
 
 @pytest.mark.serve

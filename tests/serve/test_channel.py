@@ -222,7 +222,10 @@ def test_a_request_that_is_not_a_mapping_is_an_error_for_that_request():
     async def go():
         server = await serve(Runner())
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(pack({"op": "hello", "token": server.token}) + pack({"op": "generate", "id": 7, "token": server.token, "request": [1, 2]}))
+        writer.write(
+            pack({"op": "hello", "token": server.token})
+            + pack({"op": "generate", "id": 7, "token": server.token, "request": [1, 2]})
+        )
         (size,) = struct.unpack("!I", await reader.readexactly(4))
         import msgspec
 
@@ -258,7 +261,12 @@ def test_a_duplicate_request_id_is_an_error_for_that_id_and_the_connection_serve
     replies, after = asyncio.run(go())
     errors = [r for r in replies if "error" in r]
     assert len(errors) == 1 and "already running" in errors[0]["error"]
-    assert [r["chunk"]["token_ids"] for r in replies if "chunk" in r] == [[0], [1], [2], [3]]  # the first ran to its end
+    assert [r["chunk"]["token_ids"] for r in replies if "chunk" in r] == [
+        [0],
+        [1],
+        [2],
+        [3],
+    ]  # the first ran to its end
     assert after["id"] == 4 and after["chunk"]["finished"]
 
 

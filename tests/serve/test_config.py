@@ -35,7 +35,11 @@ def test_serve_config_validates_against_ray_serve_schema():
     from ray.serve.schema import ServeDeploySchema
 
     doc = yaml.safe_load(serve_config_yaml(AppConfig()))
-    schema = ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(doc)
+    schema = (
+        ServeDeploySchema.model_validate(doc)
+        if hasattr(ServeDeploySchema, "model_validate")
+        else ServeDeploySchema.parse_obj(doc)
+    )
     app = schema.applications[0]
     assert app.import_path == "relay_serve.app:app_builder"
     assert AppConfig.model_validate(app.args) == AppConfig()
@@ -47,8 +51,14 @@ def test_deployment_options_pass_through():
         {"small": {"model": "toy:small", "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}}}
     )
     opts = cfg.small.deployment.serve_options()
-    engine_load = {"policy_function": "relay_serve.app.autoscaling:EngineLoadPolicy", "policy_kwargs": {"target_per_replica": 16.0}}
-    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "policy": engine_load} and "num_replicas" not in opts
+    engine_load = {
+        "policy_function": "relay_serve.app.autoscaling:EngineLoadPolicy",
+        "policy_kwargs": {"target_per_replica": 16.0},
+    }
+    assert (
+        opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "policy": engine_load}
+        and "num_replicas" not in opts
+    )
     assert cfg.large.deployment.serve_options()["num_replicas"] == 1
 
 
@@ -56,15 +66,22 @@ def test_model_deployments_scale_on_engine_load_unless_told_otherwise():
     own = {"policy_function": "my.module:policy"}
     cfg = AppConfig.model_validate(
         {
-            "large": {"model": "toy:large", "deployment": {"autoscaling_config": {"max_replicas": 2}, "target_engine_load": 3}},
+            "large": {
+                "model": "toy:large",
+                "deployment": {"autoscaling_config": {"max_replicas": 2}, "target_engine_load": 3},
+            },
             "small": {"model": "toy:small", "deployment": {"autoscaling_config": {"max_replicas": 2, "policy": own}}},
             "router": {"deployment": {"autoscaling_config": {"max_replicas": 2}}},
         }
     )
-    assert cfg.large.deployment.serve_options()["autoscaling_config"]["policy"]["policy_kwargs"] == {"target_per_replica": 3.0}
+    assert cfg.large.deployment.serve_options()["autoscaling_config"]["policy"]["policy_kwargs"] == {
+        "target_per_replica": 3.0
+    }
     assert cfg.small.deployment.serve_options()["autoscaling_config"]["policy"] == own
     assert "policy" not in cfg.router.deployment.serve_options()["autoscaling_config"]  # the router: Serve's own
-    none = AppConfig.model_validate({"large": {"model": "toy:large", "deployment": {"autoscaling_config": {}, "target_engine_load": None}}})
+    none = AppConfig.model_validate(
+        {"large": {"model": "toy:large", "deployment": {"autoscaling_config": {}, "target_engine_load": None}}}
+    )
     assert "policy" not in none.large.deployment.serve_options()["autoscaling_config"]
     with pytest.raises(ValueError, match="target_engine_load"):
         AppConfig.model_validate({"large": {"model": "toy:large", "deployment": {"target_engine_load": 0}}})

@@ -110,8 +110,13 @@ def test_the_model_replica_refuses_a_sampled_segment_without_calling_its_engine(
     async def go():
         large = ModelServer("large", {"model": "toy:large"}, engine_cls=GreedyOnlyEngine)
         backend = ServeBackend(FakeHandle(large), FakeHandle(None))
-        sampled = SegmentRequest(model="large", prompt_token_ids=[1, 2], max_tokens=3, session_id="g",
-                                 sampling=SamplingSettings(temperature=0.6, top_k=20))  # fmt: skip
+        sampled = SegmentRequest(
+            model="large",
+            prompt_token_ids=[1, 2],
+            max_tokens=3,
+            session_id="g",
+            sampling=SamplingSettings(temperature=0.6, top_k=20),
+        )
         with pytest.raises(InvalidRequest) as e:
             async for _ in backend.generate(sampled, stream=False):
                 pass

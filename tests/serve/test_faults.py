@@ -10,6 +10,7 @@ text fails the test.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -33,7 +34,12 @@ def fault_config(small_at_zero: bool = False):
         m.deployment.ray_actor_options["num_cpus"] = 0.5
     if small_at_zero:
         cfg.small.deployment.num_replicas = None
-        cfg.small.deployment.autoscaling_config = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "upscale_delay_s": 60}
+        cfg.small.deployment.autoscaling_config = {
+            "min_replicas": 0,
+            "initial_replicas": 0,
+            "max_replicas": 1,
+            "upscale_delay_s": 60,
+        }
     cfg.router.deployment.ray_actor_options["num_cpus"] = 0.5
     cfg.router.small_timeout_s = 3.0
     cfg.router.small_retry_after_s = 30.0
@@ -141,7 +147,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: str, seed: int
     return {"text": "".join(text), "tail": tail, "errors": errors, "done": done, "finish": finish}
 
 
-async def run_with_a_kill(url: str, deployment: str, seed: int, before_s: float = 2.0, after_s: float = 3.0) -> tuple[list[dict], str]:
+async def run_with_a_kill(
+    url: str, deployment: str, seed: int, before_s: float = 2.0, after_s: float = 3.0
+) -> tuple[list[dict], str]:
     """16 clients stream relay requests back to back; one replica of ``deployment`` is killed
     ``before_s`` into the run, and the clients go on for ``after_s`` more (a request under way
     then is finished, whatever the time)."""
@@ -152,7 +160,9 @@ async def run_with_a_kill(url: str, deployment: str, seed: int, before_s: float 
     async def client_loop(client: httpx.AsyncClient, k: int) -> list[dict]:
         out, i = [], 0
         while time.monotonic() < stop_at[0]:
-            out.append(await stream_one(client, url, pool[(k + i * N_REQUESTS) % len(pool)], seed + k * 1000 + i, started))
+            out.append(
+                await stream_one(client, url, pool[(k + i * N_REQUESTS) % len(pool)], seed + k * 1000 + i, started)
+            )
             i += 1
         return out
 
@@ -172,7 +182,7 @@ def check_whole(result: dict) -> dict:
     trace, usage = result["tail"]["relay_trace"], result["tail"]["usage"]
     text = result["text"]
     assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
-    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(trace))
     assert sum(s["tokens"] for s in trace) == usage["completion_tokens"]
     relay = usage["relay"]
     assert relay["large_tokens"] + relay["small_tokens"] == usage["completion_tokens"]
@@ -194,8 +204,13 @@ def kill_under_load(url: str, deployment: str, seed: int, hit, attempts: int = 3
         wait_for_replicas(deployment, 2)
         if any(hit(r) for r in relays):
             return relays, killed
-        served = Counter(e["replica_id"] for r in results for e in r["tail"]["relay_engine_requests"] if e["model"] == deployment)
-        seen.append(f"attempt {attempt + 1}: killed {killed}; {len(results)} requests; {deployment} engine requests by replica {dict(served)}")
+        served = Counter(
+            e["replica_id"] for r in results for e in r["tail"]["relay_engine_requests"] if e["model"] == deployment
+        )
+        seen.append(
+            f"attempt {attempt + 1}: killed {killed}; {len(results)} requests; {deployment} engine requests by replica "
+            f"{dict(served)}"
+        )
     pytest.fail("no request was under way on the killed replica:\n" + "\n".join(seen))
 
 
@@ -226,7 +241,7 @@ def model_replica_holdings() -> dict[str, tuple[int, int] | None]:
     names = [name for deployment in ("large", "small") for name in replicas(deployment)]
     calls = [ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names]
     seen: dict[str, tuple[int, int] | None] = {}
-    for name, call in zip(names, calls):
+    for name, call in zip(names, calls, strict=True):
         try:
             stats = ray.get(call, timeout=10)
             seen[name] = (stats["leases_held"], stats["sessions"])
@@ -245,7 +260,9 @@ def test_killing_a_router_replica_frees_its_leases_and_sessions_on_the_model_rep
         started = asyncio.Event()
         pool = prompts(N_REQUESTS, seed=400)
         async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [asyncio.create_task(stream_one(client, faults_url, p, 400 + k, started)) for k, p in enumerate(pool)]
+            tasks = [
+                asyncio.create_task(stream_one(client, faults_url, p, 400 + k, started)) for k, p in enumerate(pool)
+            ]
             await started.wait()
             await asyncio.sleep(1.0)
             router_stats = (await client.get(faults_url + "/v1/relay/stats")).json()
@@ -265,14 +282,19 @@ def test_killing_a_router_replica_frees_its_leases_and_sessions_on_the_model_rep
         return router_stats, held, polls, freed, freed_s
 
     router_stats, held, polls, freed, freed_s = asyncio.run(load_then_kill())
-    assert router_stats["in_flight"] > 0 and router_stats["leases"] >= router_stats["in_flight"], router_stats  # one or two a generation
+    assert router_stats["in_flight"] > 0 and router_stats["leases"] >= router_stats["in_flight"], (
+        router_stats
+    )  # one or two a generation
     assert len(held) == 4 and None not in held.values(), held  # 2 large, 2 small, each answered
     assert sum(leases for leases, _ in held.values()) > 0, held  # ...holding the router's leases
     assert freed and freed_s <= 10, polls
     wait_for_replicas("router", 1)
     with httpx.Client(timeout=120) as client:
         for i, prompt in enumerate(prompts(4, seed=500)):
-            r = client.post(faults_url + "/v1/chat/completions", json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i})
+            r = client.post(
+                faults_url + "/v1/chat/completions",
+                json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i},
+            )
             assert r.status_code == 200, r.text
 
 
@@ -285,7 +307,10 @@ def test_with_the_small_deployment_scaled_to_zero_relay_degrades_to_the_large_mo
     with httpx.Client(timeout=120) as client:
         for i, prompt in enumerate(prompts(3, seed=300)):
             t0 = time.perf_counter()
-            r = client.post(faults_url + "/v1/chat/completions", json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i})
+            r = client.post(
+                faults_url + "/v1/chat/completions",
+                json={"model": "relay", "messages": [{"role": "user", "content": prompt}], "seed": i},
+            )
             assert r.status_code == 200, r.text
             relay = r.json()["usage"]["relay"]
             assert relay["degraded"] and relay["small_tokens"] == 0 and relay["large_tokens"] > 0

@@ -27,11 +27,21 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
     cli = Path(sys.executable).parent / "relay-serve"
     log = tmp_path / "serve.err"  # a file, not a pipe: the engines' logs must not fill a pipe nobody reads
     with log.open("w") as err_file:
-        proc = subprocess.Popen([str(cli), "serve", "--port", str(port), "--metrics-port", str(metrics_port)], env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
+        proc = subprocess.Popen(
+            [str(cli), "serve", "--port", str(port), "--metrics-port", str(metrics_port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+            text=True,
+        )
     try:
         ready = proc.stdout.readline()  # blocks until the service says it is ready (or exits)
         assert "is ready at" in ready, ready + log.read_text()[-3000:]
-        body = {"model": "relay", "messages": [{"role": "user", "content": "Start at k11. Follow the map four times."}], "max_tokens": 200}
+        body = {
+            "model": "relay",
+            "messages": [{"role": "user", "content": "Start at k11. Follow the map four times."}],
+            "max_tokens": 200,
+        }
         times = []
         for _ in range(4):
             t0 = time.perf_counter()
@@ -42,7 +52,9 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
         assert times[0] < 5 * warm + 1.0, times  # the first request pays no start-up cost (it paid 20-25 s)
         # the metrics URL it printed is on the port asked for and counts the warm-up and these 4
         metrics_line = proc.stdout.readline()
-        assert metrics_line.startswith("metrics (Prometheus) at http://") and metrics_line.rstrip().endswith(f":{metrics_port}/metrics"), metrics_line
+        assert metrics_line.startswith("metrics (Prometheus) at http://") and metrics_line.rstrip().endswith(
+            f":{metrics_port}/metrics"
+        ), metrics_line
         assert exported_requests(metrics_line.split(" at ")[1].strip(), expect=5) == 5
         before_stop = len(log.read_text())
         t0 = time.perf_counter()
@@ -54,7 +66,10 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and "stopped in" in out, out + err[-3000:]
-    print(f"first request {times[0]:.2f} s, the next ones {', '.join(f'{t:.2f}' for t in times[1:])} s; stopped in {stop_s:.1f} s")
+    print(
+        f"first request {times[0]:.2f} s, the next ones {', '.join(f'{t:.2f}' for t in times[1:])} s; stopped in "
+        f"{stop_s:.1f} s"
+    )
     assert stop_s < 12, f"stopping took {stop_s:.1f} s"  # 6.6-8.6 s here (33 s before)
     for bad in ("Traceback", "Logging error", "failed to shut down", "did not drain"):
         assert bad not in err, err[err.index(bad) - 2000 : err.index(bad) + 500]
@@ -75,7 +90,9 @@ def exported_requests(url: str, expect: float, timeout_s: float = 60.0) -> float
             s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
-            if s.name == "ray_relay_serve_requests_total" and s.labels.get("model") == "relay" and s.labels.get("status") == "200"
+            if s.name == "ray_relay_serve_requests_total"
+            and s.labels.get("model") == "relay"
+            and s.labels.get("status") == "200"
         )
         if n >= expect or time.time() > deadline:
             return n

@@ -5,6 +5,7 @@ Relay generations complete, their trace tiles the text, and streamed text equals
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -31,7 +32,9 @@ def long_url(relay_app):
         # past its trained 1,024 positions the toy writes only special tokens: positions are
         # interpolated into that range (linear RoPE scaling), as long-context serving of a model
         # trained shorter does
-        m.engine_args["hf_overrides"] = {"rope_parameters": {"rope_type": "linear", "factor": CONTEXT / 1024, "rope_theta": 10000.0}}
+        m.engine_args["hf_overrides"] = {
+            "rope_parameters": {"rope_type": "linear", "factor": CONTEXT / 1024, "rope_theta": 10000.0}
+        }
         m.deployment.ray_actor_options["num_cpus"] = 0.5
     cfg.router.deployment.ray_actor_options["num_cpus"] = 0.5
     serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix)
@@ -54,7 +57,14 @@ def long_prompt(n_problems: int) -> str:
 
 def test_relay_past_4k_tokens_completes_tiles_its_trace_and_streams_the_same_text(long_url):
     prompt = long_prompt(48)  # about 4,600 tokens
-    body = {"model": "relay", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "relay_trace": True, "relay_cues": ["Thus,", "Next,", "So,"]}
+    body = {
+        "model": "relay",
+        "prompt": prompt,
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "relay_trace": True,
+        "relay_cues": ["Thus,", "Next,", "So,"],
+    }
     with httpx.Client(timeout=300) as client:
         r = client.post(long_url + "/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -64,7 +74,7 @@ def test_relay_past_4k_tokens_completes_tiles_its_trace_and_streams_the_same_tex
         assert usage["completion_tokens"] > 0 and text.strip(), usage
         assert usage["relay"]["switches"] >= 1 and usage["relay"]["small_tokens"] > 0  # the models handed over past 4k
         assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
-        assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:], strict=False))
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(trace))
         streamed = []
         with client.stream("POST", long_url + "/v1/completions", json={**body, "stream": True}) as s:
             assert s.status_code == 200
@@ -73,4 +83,7 @@ def test_relay_past_4k_tokens_completes_tiles_its_trace_and_streams_the_same_tex
                     event = json.loads(line[len("data: ") :])
                     streamed += [c["text"] for c in event.get("choices", [])]
         assert "".join(streamed) == text
-    print(f"prompt {usage['prompt_tokens']} tokens, {usage['completion_tokens']} written, {usage['relay']['switches']} switches")
+    print(
+        f"prompt {usage['prompt_tokens']} tokens, {usage['completion_tokens']} written, {usage['relay']['switches']} "
+        "switches"
+    )

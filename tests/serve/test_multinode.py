@@ -25,8 +25,15 @@ def run(tmp_path_factory) -> dict:
     env["RELAY_STATE_DIR"] = str(tmp_path_factory.mktemp("multinode-state"))
     log = tmp_path_factory.mktemp("multinode") / "stderr.log"
     with log.open("w") as err:
-        proc = subprocess.run([sys.executable, "-m", "tests.serve.multinode"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=err, text=True, timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.serve.multinode"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            timeout=900,
+        )
     from tests.serve.multinode import RESULT
 
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
@@ -74,5 +81,7 @@ def test_losing_the_small_models_node_under_load_fails_no_request(run):
     # slack for the machine) over the slowest request it did not reach
     unhit = [r["end"] - r["start"] for r in during + after if r not in in_flight]
     assert max(r["end"] - r["start"] for r in in_flight) <= max(unhit) + 3.0 + 1.0, (in_flight, max(unhit))
-    print(f"{len(during)} requests under load, {len(in_flight)} in flight when the small node went "
-          f"(they took {max(r['end'] - r['start'] for r in in_flight):.1f} s at most), {len(after)} after it")  # fmt: skip
+    print(
+        f"{len(during)} requests under load, {len(in_flight)} in flight when the small node went "
+        f"(they took {max(r['end'] - r['start'] for r in in_flight):.1f} s at most), {len(after)} after it"
+    )

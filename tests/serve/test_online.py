@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from datetime import UTC
 
 import pytest
 
@@ -79,9 +80,15 @@ def test_only_the_large_models_sentences_are_evidence():
     for margins in sent:
         assert set(margins["by_cue"]) == {"First,", "Next,"}, margins["by_cue"]
         assert all(v == pytest.approx(P_TOP - P_SECOND) for vs in margins["by_cue"].values() for v in vs)
-        assert margins["token_count"] > 0 and margins["token_sum"] == pytest.approx(margins["token_count"] * (P_TOP - P_SECOND))
+        assert margins["token_count"] > 0 and margins["token_sum"] == pytest.approx(
+            margins["token_count"] * (P_TOP - P_SECOND)
+        )
     # the scorer saw the prompt and the whole completion, scoring from the completion's start
-    n_prompt = len(router.generations.codec.encode(router.generations.codec.render_chat([{"role": "user", "content": chat()["messages"][0]["content"]}])))
+    n_prompt = len(
+        router.generations.codec.encode(
+            router.generations.codec.render_chat([{"role": "user", "content": chat()["messages"][0]["content"]}])
+        )
+    )
     assert {start for _, start in scored} == {n_prompt}
 
 
@@ -113,10 +120,10 @@ def test_scoring_never_holds_up_serving_and_drops_past_its_queue():
 
 
 def stats_with(by_cue: dict[str, list[float]], overall: float, n_tokens: int = 1000) -> CueStatistics:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     s = CueStatistics(pair_fingerprint="fp")
-    s.add(by_cue, overall * n_tokens, n_tokens, False, datetime.now(timezone.utc))
+    s.add(by_cue, overall * n_tokens, n_tokens, False, datetime.now(UTC))
     return s
 
 
@@ -139,8 +146,14 @@ def test_reselection_publishes_only_a_changed_selection_under_the_rule():
 
 def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
     store_uri = (tmp_path / "cues").as_uri()
-    cfg = AppConfig.model_validate({"cues": {"store_uri": store_uri, "online": {"enabled": True, "min_occurrences": 5,
-                                                                             "candidates": ["First,", "Thus,", "Wait,"]}}})  # fmt: skip
+    cfg = AppConfig.model_validate(
+        {
+            "cues": {
+                "store_uri": store_uri,
+                "online": {"enabled": True, "min_occurrences": 5, "candidates": ["First,", "Thus,", "Wait,"]},
+            }
+        }
+    )
     pair = model_pair(cfg).model_dump(mode="json")
     actor = CueStatsActor(cfg.model_dump(mode="json"), pair)
     store = CueStore(store_uri)
@@ -169,8 +182,14 @@ def test_the_shared_statistics_publish_persist_and_respect_a_pin(tmp_path):
 
 def online_actor(tmp_path, **online):
     store_uri = (tmp_path / "cues").as_uri()
-    cfg = AppConfig.model_validate({"cues": {"store_uri": store_uri, "online": {
-        "enabled": True, "min_occurrences": 5, "candidates": ["First,", "Thus,", "Wait,"], **online}}})  # fmt: skip
+    cfg = AppConfig.model_validate(
+        {
+            "cues": {
+                "store_uri": store_uri,
+                "online": {"enabled": True, "min_occurrences": 5, "candidates": ["First,", "Thus,", "Wait,"], **online},
+            }
+        }
+    )
     actor = CueStatsActor(cfg.model_dump(mode="json"), model_pair(cfg).model_dump(mode="json"))
     return cfg, actor, CueStore(store_uri)
 
@@ -241,7 +260,11 @@ def test_an_actor_found_by_a_redeployed_app_takes_its_settings(tmp_path):
         for _ in range(8):
             await actor.add({"Thus,": [0.9]}, 1.0, 1, False)
         changed = cfg.model_copy(deep=True)
-        changed.cues.online.sample_rate, changed.cues.online.window_generations, changed.cues.online.min_occurrences = 0.5, 4, 7
+        changed.cues.online.sample_rate, changed.cues.online.window_generations, changed.cues.online.min_occurrences = (
+            0.5,
+            4,
+            7,
+        )
         await actor.configure(changed.model_dump(mode="json"))
         return await actor.status()
 

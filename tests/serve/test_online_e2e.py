@@ -52,16 +52,22 @@ def test_hard_cues_are_corrected_online_without_an_operator(online_url):
 
     url, cfg = online_url
     deadline = time.time() + 30
-    while set(httpx.get(url + "/v1/relay/cues", timeout=10).json()["cues"]) != set(START_CUES):  # the start: the hard set
+    while set(httpx.get(url + "/v1/relay/cues", timeout=10).json()["cues"]) != set(
+        START_CUES
+    ):  # the start: the hard set
         assert time.time() < deadline, httpx.get(url + "/v1/relay/cues", timeout=10).json()
         time.sleep(0.5)
     rounds, converged_after = converge(url, per_round=PER_ROUND, max_rounds=12, after=1, concurrency=8)
     assert converged_after is not None, [(r.served, r.active_cues) for r in rounds]
     relay, large = final_pass_at_1(url, n=96)
     c = summarize(rounds, converged_after, relay, large, START_CUES, TARGET_CUES)
-    print(f"converged to {TARGET_CUES} after {converged_after} relay generations; relay pass@1 in the first round "
-          f"{rounds[0].pass_at_1:.3f}; on 96 problems after: relay {relay:.3f}, large {large:.3f}")  # fmt: skip
-    assert rounds[0].pass_at_1 <= large - 0.1, c  # the hard cues cost relay its answers before the correction (0.625 of 16 here)
+    print(
+        f"converged to {TARGET_CUES} after {converged_after} relay generations; relay pass@1 in the first round "
+        f"{rounds[0].pass_at_1:.3f}; on 96 problems after: relay {relay:.3f}, large {large:.3f}"
+    )
+    assert rounds[0].pass_at_1 <= large - 0.1, (
+        c
+    )  # the hard cues cost relay its answers before the correction (0.625 of 16 here)
     assert relay >= large - 0.03, c
     # the published version says where it came from
     store = CueStore(cfg.cues.store_uri)

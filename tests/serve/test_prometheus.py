@@ -46,10 +46,15 @@ def prometheus(ray_cluster, tmp_path_factory):
     port = free_port()
     with (work / "prometheus.log").open("w") as log:
         proc = subprocess.Popen(
-            [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -160,10 +165,15 @@ def test_prometheus_counts_exactly_what_the_responses_say(prometheus, metrics_ap
     assert scalar(prometheus, f"sum(relay_serve_switches_per_request_count{{{sel}}})") == n
     for engine, key in (("large", "large_tokens"), ("small", "small_tokens")):
         expected = sum(u[key] for u in relay)
-        assert wait_for(prometheus, f'sum(relay_serve_generated_tokens_total{{{sel},engine="{engine}"}})', expected) == expected
+        assert (
+            wait_for(prometheus, f'sum(relay_serve_generated_tokens_total{{{sel},engine="{engine}"}})', expected)
+            == expected
+        )
     # latency histograms: every request in the end-to-end one, a real median
     assert scalar(prometheus, f"sum(relay_serve_e2e_request_latency_seconds_count{{{sel}}})") == n
-    p50 = scalar(prometheus, f"histogram_quantile(0.5, sum by (le) (relay_serve_e2e_request_latency_seconds_bucket{{{sel}}}))")
+    p50 = scalar(
+        prometheus, f"histogram_quantile(0.5, sum by (le) (relay_serve_e2e_request_latency_seconds_bucket{{{sel}}}))"
+    )
     assert p50 is not None and 0 < p50 < 300
     assert scalar(prometheus, f"sum(relay_serve_time_to_first_token_seconds_count{{{sel}}})") == N_STREAMED
     assert scalar(prometheus, f"sum(relay_serve_inter_token_latency_seconds_count{{{sel}}})") == N_STREAMED
@@ -172,7 +182,7 @@ def test_prometheus_counts_exactly_what_the_responses_say(prometheus, metrics_ap
     assert scalar(prometheus, f"relay_serve_cue_set_created_timestamp_seconds{{{sel}}}") == 0  # the default set
     assert scalar(prometheus, f"sum(relay_serve_degraded_requests_total{{{sel}}})") is None  # none degraded
     # the gauges the router samples, and the engines' own figures of both deployments
-    assert wait_for(prometheus, f'count(relay_serve_leases{{{sel}}})', 4) == 4  # large/small x held/idle
+    assert wait_for(prometheus, f"count(relay_serve_leases{{{sel}}})", 4) == 4  # large/small x held/idle
     for model in ("large", "small"):
         for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting", "ray_vllm_kv_cache_usage_perc"):
             assert wait_for_series(prometheus, f'{name}{{model_name="{model}"}}'), f"{name} of {model}"
@@ -201,8 +211,11 @@ def test_every_dashboard_query_runs_and_has_data(prometheus, metrics_app):
     # rate() needs two scrapes of a series: a series Ray exported for the first time just now has one
     deadline = time.time() + 60
     while True:
-        empty = [(title, expr) for title, expr in targets
-                 if not query(prometheus, expr.replace("$app", APP).replace("$__rate_interval", "2m"))]  # fmt: skip
+        empty = [
+            (title, expr)
+            for title, expr in targets
+            if not query(prometheus, expr.replace("$app", APP).replace("$__rate_interval", "2m"))
+        ]
         if not empty or time.time() > deadline:
             break
         time.sleep(2)
@@ -216,7 +229,11 @@ def test_the_alerting_rules_load_and_evaluate(prometheus, metrics_app):
     while True:
         groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        if rules and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("20") for r in rules) or time.time() > deadline:
+        if (
+            rules
+            and all(r["health"] == "ok" and r.get("lastEvaluation", "").startswith("20") for r in rules)
+            or time.time() > deadline
+        ):
             break
         time.sleep(1)
     assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules

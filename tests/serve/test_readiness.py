@@ -43,7 +43,11 @@ def test_health_is_503_while_the_models_start_and_200_once_a_request_is_quick(re
                 time.sleep(0.2)
             assert (503, "starting") in seen, seen  # the router was up before the models, and said so
             assert body["models"]["large"]["state"] == body["models"]["small"]["state"] == "up"
-            chat = {"model": "relay", "messages": [{"role": "user", "content": "Start at k11. Follow the map four times."}], "max_tokens": 200}
+            chat = {
+                "model": "relay",
+                "messages": [{"role": "user", "content": "Start at k11. Follow the map four times."}],
+                "max_tokens": 200,
+            }
             times = []
             for _ in range(4):
                 t0 = time.perf_counter()
@@ -51,7 +55,12 @@ def test_health_is_503_while_the_models_start_and_200_once_a_request_is_quick(re
                 times.append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.text
         warm = statistics.median(times[1:])
-        print(f"health: {len(seen)} polls before 200; first request {times[0]:.2f} s, then {', '.join(f'{t:.2f}' for t in times[1:])} s")
-        assert times[0] < 5 * warm + 1.0, times  # the first request after the first 200 pays no start-up (15.8 s before)
+        print(
+            f"health: {len(seen)} polls before 200; first request {times[0]:.2f} s, then "
+            f"{', '.join(f'{t:.2f}' for t in times[1:])} s"
+        )
+        assert times[0] < 5 * warm + 1.0, (
+            times
+        )  # the first request after the first 200 pays no start-up (15.8 s before)
     finally:
         serve.delete(cfg.name)

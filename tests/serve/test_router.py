@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -32,7 +33,9 @@ def make_router(scripts=None, started=True, backend_kw=None, policy=None, **rout
     }
     from relay_serve.tokenizer import load_codec
 
-    backend = FakeBackend(load_codec(str(TOKENIZER_DIR)), scripts or {"large": follow(REF), "small": follow(REF)}, **(backend_kw or {}))
+    backend = FakeBackend(
+        load_codec(str(TOKENIZER_DIR)), scripts or {"large": follow(REF), "small": follow(REF)}, **(backend_kw or {})
+    )
     router = RelayRouter(cfg, backend=backend)
     if started:
         asyncio.run(router.startup.answered())  # both fake deployments said what they serve
@@ -53,7 +56,11 @@ def call(router, method, path, body=None, content=None, headers=None):
 
 
 def chat(model="relay", **extra):
-    return {"model": model, "messages": [{"role": "user", "content": "Start at b3. Follow the map two times."}], **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Start at b3. Follow the map two times."}],
+        **extra,
+    }
 
 
 def test_models_and_health():
@@ -77,7 +84,7 @@ def test_chat_completion_reports_relay_usage_and_trace():
     assert u["relay"]["switches"] >= 4 and u["relay"]["cue_set_version"] == "default"
     trace = body["relay_trace"]
     assert trace[0]["start"] == 0 and trace[-1]["end"] == len(text)
-    assert all(a["end"] == b["start"] for a, b in zip(trace, trace[1:]))
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(trace))
     assert {"model": "small", "cue": "Thus,"}.items() <= trace[1].items()
 
 
@@ -294,7 +301,9 @@ def test_a_pair_with_different_tokenizers_is_refused(tmp_path):
 
 
 def test_a_pair_whose_decoding_loses_the_reasoning_end_marker_is_refused():
-    router, _ = make_router(policy={"think_close": "<|im_end|>"})  # an end-of-turn token: the router's decoding drops it
+    router, _ = make_router(
+        policy={"think_close": "<|im_end|>"}
+    )  # an end-of-turn token: the router's decoding drops it
     health = call(router, "GET", "/health")
     assert health.status_code == 503 and "does not survive the tokenizer" in health.json()["models"]["error"]
     r = call(router, "POST", "/v1/chat/completions", chat())
@@ -314,7 +323,9 @@ def test_the_router_reads_no_model_files():
         "cues": {"store_uri": Path(tempfile.mkdtemp()).as_uri()},
     }
     codec = load_codec(str(TOKENIZER_DIR))
-    blind = RelayRouter(cfg, backend=FakeBackend(codec, {"large": follow(REF), "small": follow(REF)}, max_model_len=300))
+    blind = RelayRouter(
+        cfg, backend=FakeBackend(codec, {"large": follow(REF), "small": follow(REF)}, max_model_len=300)
+    )
     asyncio.run(blind.startup.answered())
     r = call(blind, "POST", "/v1/chat/completions", chat())
     assert r.status_code == 200, r.text

@@ -7,7 +7,8 @@ Thresholds for this machine: the toy models cost the same a token and the small 
 a third of a relay generation, so at 6 relay requests in flight the small engines hold about 2
 segments and the large ones about 4 (never more than 6: a generation has one segment in flight).
 With targets of 0.5 (small) and 6 (large) segments a replica, relay traffic asks for 2 small
-replicas (the most allowed) and 1 large; 12 `large` requests ask for 2 large and no small. (Scaled on Serve's ongoing requests, i.e. leases, both would follow the 6 generations.)
+replicas (the most allowed) and 1 large; 12 `large` requests ask for 2 large and no small. (Scaled on Serve's ongoing
+requests, i.e. leases, both would follow the 6 generations.)
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def running_replicas() -> dict[str, int]:
     from ray import serve
 
     deployments = serve.status().applications[APP].deployments
-    return {name: sum(n for state, n in deployments[name].replica_states.items() if state != "STOPPING") for name in ("large", "small")}
+    return {
+        name: sum(n for state, n in deployments[name].replica_states.items() if state != "STOPPING")
+        for name in ("large", "small")
+    }
 
 
 class Watch:
@@ -131,7 +135,9 @@ def check_answers(results) -> None:
         u = resp["usage"]
         assert u["relay"]["large_tokens"] + u["relay"]["small_tokens"] == u["completion_tokens"], u
         assert resp["choices"][0]["finish_reason"] == "stop", resp
-        assert is_correct(resp["choices"][0]["message"]["content"], problem.answer), resp["choices"][0]["message"]["content"][-300:]
+        assert is_correct(resp["choices"][0]["message"]["content"], problem.answer), resp["choices"][0]["message"][
+            "content"
+        ][-300:]
 
 
 def test_each_deployment_scales_on_its_own_engines_load(scaling_url):
@@ -156,7 +162,9 @@ def test_each_deployment_scales_on_its_own_engines_load(scaling_url):
         deadline = time.time() + 180
         t0 = time.time()
         relay_results = asyncio.run(load(scaling_url, "relay", 6, relay_until, problems))
-        assert scaled.is_set(), f"the small deployment did not scale up under relay load ({time.time() - t0:.0f} s): {dict(watch.most)}"
+        assert scaled.is_set(), (
+            f"the small deployment did not scale up under relay load ({time.time() - t0:.0f} s): {dict(watch.most)}"
+        )
         print(f"relay load: {len(relay_results)} requests; most replicas {dict(watch.most)}")
         assert watch.most["large"] == 1, dict(watch.most)
         check_answers(relay_results)

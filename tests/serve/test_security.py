@@ -39,12 +39,24 @@ def test_every_configured_key_is_accepted(keyed, key):
 
 
 @pytest.mark.parametrize(
-    "key, scheme", [(None, "Bearer"), ("wrong", "Bearer"), ("key-from-fil", "Bearer"), ("key-from-file", "Basic"), ("", "Bearer")]
+    "key, scheme",
+    [(None, "Bearer"), ("wrong", "Bearer"), ("key-from-fil", "Bearer"), ("key-from-file", "Basic"), ("", "Bearer")],
 )
-@pytest.mark.parametrize("method, path", [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/v1/relay/cues"), ("GET", "/v1/relay/stats")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/relay/cues"),
+        ("GET", "/v1/relay/stats"),
+    ],
+)
 def test_a_missing_or_wrong_key_is_a_401_before_any_work(keyed, key, scheme, method, path):
     router, backend = keyed
-    body = chat() if path == "/v1/chat/completions" else ({"model": "relay", "prompt": "x"} if method == "POST" else None)
+    body = (
+        chat() if path == "/v1/chat/completions" else ({"model": "relay", "prompt": "x"} if method == "POST" else None)
+    )
     r = request(router, method, path, key, body, scheme=scheme)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["code"] == "invalid_api_key" and "Bearer" in r.json()["error"]["message"]

@@ -12,7 +12,11 @@ import pytest
 
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 
-PROMPTS = ["Start at b3. Follow the map four times.", "Start at k11. Follow the map five times.", "Start at q7. Follow the map three times."]
+PROMPTS = [
+    "Start at b3. Follow the map four times.",
+    "Start at k11. Follow the map five times.",
+    "Start at q7. Follow the map three times.",
+]
 PAPER = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
@@ -55,8 +59,13 @@ def test_sampling_a_speculative_engine_cannot_run_is_refused_and_the_replica_liv
     from relay_serve.protocol import InvalidRequest
 
     handle = serve.get_deployment_handle("large", app_name="spec")
-    segment = {"model": "large", "prompt_token_ids": [1, 2, 3], "max_tokens": 4, "session_id": "direct",
-               "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20}}  # fmt: skip
+    segment = {
+        "model": "large",
+        "prompt_token_ids": [1, 2, 3],
+        "max_tokens": 4,
+        "session_id": "direct",
+        "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+    }
     with pytest.raises(InvalidRequest):
         handle.options(method_name="complete").remote(segment).result(timeout_s=60)
     after = large_replica()
@@ -74,7 +83,12 @@ def test_relay_on_a_speculative_engine_writes_what_relay_on_plain_engines_writes
         async with httpx.AsyncClient(timeout=300) as client:
 
             async def one(base: str, prompt: str) -> dict:
-                body = {"model": "relay", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200, "temperature": 0.0}
+                body = {
+                    "model": "relay",
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 200,
+                    "temperature": 0.0,
+                }
                 r = await client.post(base + "/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 return r.json()
@@ -84,6 +98,6 @@ def test_relay_on_a_speculative_engine_writes_what_relay_on_plain_engines_writes
             return plain, fast
 
     plain, fast = asyncio.run(both())
-    for a, b in zip(plain, fast):
+    for a, b in zip(plain, fast, strict=True):
         assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
         assert b["usage"]["relay"]["switches"] == a["usage"]["relay"]["switches"] > 0

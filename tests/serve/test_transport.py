@@ -113,7 +113,9 @@ def req(model="large", session="gen-1", n=3):
     return SegmentRequest(model=model, prompt_token_ids=[1, 2], max_tokens=n, session_id=session)
 
 
-async def run(backend: ServeBackend, request: SegmentRequest, stream: bool = False, timeout_s=None) -> list[EngineChunk]:
+async def run(
+    backend: ServeBackend, request: SegmentRequest, stream: bool = False, timeout_s=None
+) -> list[EngineChunk]:
     return [c async for c in backend.generate(request, stream=stream, timeout_s=timeout_s)]
 
 
@@ -247,7 +249,9 @@ def test_the_replica_counts_its_leases_and_reports_its_channel():
     info, routing, held_after = asyncio.run(go())
     host, _, port = info["channel"].rpartition(":")
     assert info["leases_held"] == 1 and held_after == 0
-    assert routing["leases_held"] == 1 and routing["sessions"] == info["sessions"]  # the same figures, asked of this replica
+    assert (
+        routing["leases_held"] == 1 and routing["sessions"] == info["sessions"]
+    )  # the same figures, asked of this replica
     assert host == node_ip() and int(port) > 0  # the node's address inside Ray (other tests start one), else loopback
 
 
@@ -279,14 +283,18 @@ def test_rotation_follows_the_routers_of_this_process():
 
     class Router:
         def __init__(self, app, name, ids):
-            self.curr_replicas = {ReplicaID(unique_id=i, deployment_id=DeploymentID(name=name, app_name=app)): None for i in ids}
+            self.curr_replicas = {
+                ReplicaID(unique_id=i, deployment_id=DeploymentID(name=name, app_name=app)): None for i in ids
+            }
 
     routers = [Router("relay", "large", ["a", "b"]), Router("relay", "small", ["c"]), Router("other", "large", ["z"])]
     for r in routers:
         affinity_registry.register(r)
     running = affinity_registry.replica_running
     assert running("relay", "large", "a") and running("relay", "small", "c")
-    assert not running("relay", "large", "c") and not running("relay", "large", "z")  # not in that deployment's rotation
+    assert not running("relay", "large", "c") and not running(
+        "relay", "large", "z"
+    )  # not in that deployment's rotation
     assert running("unfollowed", "large", "q")  # no router here follows it: nothing to say otherwise
 
 
@@ -326,7 +334,14 @@ async def relay_over(backend: ServeBackend, codec, prompt: str):
     from relay_serve.relay.policy import PolicySettings, RelayGen
     from relay_serve.relay.session import Session
 
-    s = Session(backend=backend, codec=codec, prompt_ids=codec.encode(prompt), max_tokens=200, sampling=SamplingSettings(), session_id="gen-1")
+    s = Session(
+        backend=backend,
+        codec=codec,
+        prompt_ids=codec.encode(prompt),
+        max_tokens=200,
+        sampling=SamplingSettings(),
+        session_id="gen-1",
+    )
     return await s.run(RelayGen(PolicySettings(min_large_tokens=0), ["Thus,"]))
 
 
@@ -353,7 +368,9 @@ def test_a_relay_generation_continues_one_resumable_request_per_model():
     (large_req,), (small_req,) = large.engine.requests, small.engine.requests
     # after its first chunk the large request is fed the pending token and the small model's sentence only
     assert codec.decode(large_req.feeds[0]) == prompt and all(len(f) < 12 for f in large_req.feeds[1:])
-    assert large_req.closed and small_req.closed and not large.sessions and not small.sessions  # ended with the generation
+    assert (
+        large_req.closed and small_req.closed and not large.sessions and not small.sessions
+    )  # ended with the generation
     result, _, large, small = asyncio.run(go(False))
     assert result.text == ref and large.engine.requests == [] and small.engine.requests == []
 
@@ -363,7 +380,10 @@ def test_segments_on_a_held_session_carry_only_what_is_new_and_a_lost_session_ge
     hold (the other model's sentence), not the context; when the replica lost the session (reaped,
     restarted) the segment is sent whole again and the generation is unchanged."""
     prompt = "<think>\n"
-    ref = "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nThus, v13 it is.\n</think>\n\nThe answer is v13."
+    ref = (
+        "First, b3 -> c12.\n\nThus, we are at c12.\n\nNext, c12 -> v13.\n\nThus, v13 it is.\n"
+        "</think>\n\nThe answer is v13."
+    )
     codec, Scripted = scripted(prompt, ref)
 
     async def go(lose_after: int | None):
@@ -422,7 +442,15 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     async def go():
         b, (large, _), (small, _) = setup()
         small.engine.delay_s = 0.02  # 50 tokens: 1 s
-        s = Session(backend=b, codec=Numbers(), prompt_ids=[1, 2], max_tokens=50, sampling=SamplingSettings(), session_id="g", small_timeout_s=0.3)
+        s = Session(
+            backend=b,
+            codec=Numbers(),
+            prompt_ids=[1, 2],
+            max_tokens=50,
+            sampling=SamplingSettings(),
+            session_id="g",
+            small_timeout_s=0.3,
+        )
         out = await s.answer("small", cue=None, optional=True)
         return out, b.small_refusal()
 
@@ -492,7 +520,9 @@ def test_a_router_that_dies_frees_its_leases_and_sessions_on_the_replicas_at_onc
     async def go():
         b, codec, (large, hl), (small, hs) = resumable_setup(lease_ttl_s=600.0)
         b.prepare("gen-1", ["large", "small"])
-        await run(b, SegmentRequest(model="large", prompt_token_ids=codec.encode("a"), max_tokens=2, session_id="gen-1"))
+        await run(
+            b, SegmentRequest(model="large", prompt_token_ids=codec.encode("a"), max_tokens=2, session_id="gen-1")
+        )
         b.prepare("gen-2", ["large", "small"])
         await asyncio.sleep(0.05)  # the leases are granted and attached
         before = (large.leases_held, small.leases_held, len(large.sessions))

@@ -20,7 +20,11 @@ def wide_dir(tmp_path_factory):
 def test_the_config_is_wider_and_the_norm_is_rescaled(wide_dir):
     old = json.loads((wide.SOURCE_DIR / "config.json").read_text())
     new = json.loads((wide_dir / "config.json").read_text())
-    assert (new["hidden_size"], new["num_attention_heads"], new["intermediate_size"]) == (WIDE.hidden_size, WIDE.num_heads, WIDE.intermediate_size)
+    assert (new["hidden_size"], new["num_attention_heads"], new["intermediate_size"]) == (
+        WIDE.hidden_size,
+        WIDE.num_heads,
+        WIDE.intermediate_size,
+    )
     assert new["num_hidden_layers"] == old["num_hidden_layers"] + WIDE.identity_layers
     assert new["head_dim"] == old["head_dim"]  # vLLM-CPU rejects head_dim 16; the source's 32 stays
     assert new["rms_norm_eps"] == pytest.approx(old["rms_norm_eps"] * old["hidden_size"] / new["hidden_size"])
@@ -67,7 +71,9 @@ def test_the_model_id_resolves_to_the_generated_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAY_STATE_DIR", str(tmp_path))
     cfg = AppConfig.model_validate({"large": {"model": "toy:large-wide"}})
     assert cfg.large.model_path == str(tmp_path / "models" / "large-wide")
-    assert json.loads((tmp_path / "models" / "large-wide" / "config.json").read_text())["hidden_size"] == WIDE.hidden_size
+    assert (
+        json.loads((tmp_path / "models" / "large-wide" / "config.json").read_text())["hidden_size"] == WIDE.hidden_size
+    )
 
 
 @pytest.mark.vllm
@@ -78,12 +84,15 @@ def test_greedy_outputs_are_identical_in_vllm_on_200_heldout_problems(wide_dir):
     from relay_serve.toy.world import ToyWorld
 
     codec = load_codec(str(wide.SOURCE_DIR))
-    prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}])) for p in ToyWorld().sample_heldout(200, seed=11)]
+    prompts = [
+        codec.encode(codec.render_chat([{"role": "user", "content": p.prompt}]))
+        for p in ToyWorld().sample_heldout(200, seed=11)
+    ]
     outputs = []
     for path in (wide.SOURCE_DIR, wide_dir):
         with OfflineEngine(str(path), TOY_ENGINE_ARGS) as engine:
             outputs.append(engine.generate(prompts, max_tokens=256))
         gc.collect()
-    differing = [i for i, (a, b) in enumerate(zip(*outputs)) if a != b]
+    differing = [i for i, (a, b) in enumerate(zip(*outputs, strict=False)) if a != b]
     assert not differing, f"{len(differing)} of 200 greedy outputs differ, e.g. problem {differing[:5]}"
     assert all(codec.tokenizer.eos_token_id == out[-1] for out in outputs[1])  # every one ran to its end

@@ -17,7 +17,9 @@ def test_the_world_is_deterministic_given_its_seed():
     a, b, c = ToyWorld(seed=0), ToyWorld(seed=0), ToyWorld(seed=1)
     assert a.map == b.map and a.map != c.map
     assert a.train_problems == b.train_problems and a.heldout_problems == b.heldout_problems
-    assert [t.completion for t in a.training_traces(20, seed=3)] == [t.completion for t in b.training_traces(20, seed=3)]
+    assert [t.completion for t in a.training_traces(20, seed=3)] == [
+        t.completion for t in b.training_traces(20, seed=3)
+    ]
     assert a.sample_heldout(10, seed=2) == b.sample_heldout(10, seed=2) != a.sample_heldout(10, seed=3)
 
 
@@ -37,7 +39,10 @@ def test_traces_follow_the_map_and_the_cues_have_their_roles():
     for p in w.sample_heldout(50, seed=1):
         t = w.trace(p, rng)
         assert t.answer == w.answer(p)
-        assert t.completion.startswith("<think>\n") and f"{THINK_CLOSE}\n\nThe answer is \\boxed{{{t.answer}}}." in t.completion
+        assert (
+            t.completion.startswith("<think>\n")
+            and f"{THINK_CLOSE}\n\nThe answer is \\boxed{{{t.answer}}}." in t.completion
+        )
         cur = entity_name(p.start)
         hops = 0
         for cue, text in t.steps:
@@ -49,7 +54,14 @@ def test_traces_follow_the_map_and_the_cues_have_their_roles():
             else:  # a restatement: every word of it is already in the context
                 assert cue in EASY_CUES
                 for word in text.strip(" .").split():
-                    assert word in t.completion[: t.completion.index(cue + text)] or word in {"we", "are", "at", "the", "answer", "is"}
+                    assert word in t.completion[: t.completion.index(cue + text)] or word in {
+                        "we",
+                        "are",
+                        "at",
+                        "the",
+                        "answer",
+                        "is",
+                    }
         assert hops == p.hops
         # the shared cue rule finds exactly the steps' cues, in order
         assert [m.cue for m in find_all_cues(t.thinking, EASY_CUES + HARD_CUES)] == [c for c, _ in t.steps]
