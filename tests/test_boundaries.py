@@ -35,6 +35,7 @@ RULES = {
     "relay_serve/engine/stops.py": ("vllm",),
     "relay_serve/engine/base.py": ("vllm",),
     "relay_serve/protocol.py": ("ray", "vllm", "relay_serve"),
+    "relay_serve/extras.py": ("ray", "vllm", "relay_serve"),
     "relay_serve/cluster.py": ("vllm", *PROCESSES),
     # A router replica loads no model and no engine.
     "relay_serve/router/*.py": (

@@ -146,10 +146,9 @@ def final_pass_at_1(base: str, n: int = 96, seed: int = 5000, concurrency: int =
 
 
 def plot(c: Convergence, path: Path) -> None:
-    import matplotlib
+    from relay_serve.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = [r.served for r in c.rounds]
     fig, ax = plt.subplots(figsize=(8, 4.2))

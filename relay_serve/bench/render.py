@@ -228,10 +228,9 @@ def plots(report: BenchReport, out: Path) -> list[Path]:
     """``speedup.png`` (each relay mode against its single-model mode, every profile and level),
     ``modes-<profile>.png`` (p50 latency and throughput against concurrency, a line a mode that
     served) and ``relay_time_split-<profile>.png``; each only when it has something to draw."""
-    import matplotlib
+    from relay_serve.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths: list[Path] = []
     bars = [(lv, mode, s) for lv in report.levels for mode, s in lv.speedups.items() if s.speedup.median is not None]

@@ -24,10 +24,9 @@ def write_report(cue_set: CueSet, out_dir: Path, paper_selected: list[str], time
 
 
 def plot_margins(cue_set: CueSet, path: Path) -> None:
-    import matplotlib
+    from relay_serve.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = sorted((s for s in cue_set.candidates if s.count > 0 and s.mean is not None), key=lambda s: s.mean)
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(rows) + 1.2)))

