@@ -400,12 +400,12 @@ def soak_cmd(
     if as_json:
         typer.echo(json.dumps(report))
     else:
-        rss, aff = report["router_rss_mib"], report["affinity_sessions"]
+        rss, aff = report["router_rss_mib"], report["pinned_generations"]
         typer.echo(
             f"{report['requests']} requests in {report['wall_s']} s ({report['requests_per_s']}/s), {report['errors']} "
             "failed; "
             f"latency p50 {report['latency_p50_s']} s, p99 {report['latency_p99_s']} s\n"
-            f"router sessions pinned to replicas before/peak/end/after: "
+            f"router generations pinned to replicas before/peak/end/after: "
             f"{aff['before']}/{aff['peak']}/{aff['end']}/{aff['after']}; "
             f"RSS MiB before/peak/end/after: {rss['before']}/{rss['peak']}/{rss['end']}/{rss['after']}; "
             "Python memory blocks before/peak/end/after: {before}/{peak}/{end}/{after}".format(

@@ -2,7 +2,7 @@
 requests, some of every other mode), then the router's state is compared with its state before.
 
 Pass: no request failed, and once the clients stop, the router has nothing in flight and its
-count of sessions pinned to replicas (generations holding leases, or the affinity map of the handle
+count of generations pinned to replicas (generations holding leases, or the affinity map of the handle
 transport) is back to where it was before the run. "Before" follows a warm-up at full load
 (a quarter of the duration, at most 20 s). The router's resident memory before, at its peak, at
 the end and after is reported, with the number of memory blocks Python has allocated (which a
@@ -96,7 +96,7 @@ async def _soak(base: str, s: SoakSettings, prompts: list[str], progress: bool) 
             if not ok:
                 errors.append(f"{body['model']}{' stream' if body.get('stream') else ''}: {err}")
 
-    peak = {"affinity_sessions": 0, "in_flight": 0, "rss_bytes": 0, "python_blocks": 0}
+    peak = {"pinned_generations": 0, "in_flight": 0, "rss_bytes": 0, "python_blocks": 0}
 
     async def ticker() -> None:
         ticks = 0
@@ -155,7 +155,7 @@ def run_soak(base: str, s: SoakSettings, progress: bool = True) -> dict[str, Any
         "router_after": after,
         "router_rss_mib": {k: round(v["rss_bytes"] / (1 << 20), 1) for k, v in phases.items()},
         "router_python_blocks": {k: v["python_blocks"] for k, v in phases.items()},
-        "affinity_sessions": {k: v["affinity_sessions"] for k, v in phases.items()},
+        "pinned_generations": {k: v["pinned_generations"] for k, v in phases.items()},
     }
     report["failed_checks"] = failed_checks(load["errors"], after)
     report["passed"] = not report["failed_checks"]
@@ -169,7 +169,7 @@ def failed_checks(errors: int, after: dict[str, Any]) -> list[str]:
     checks = {
         f"{errors} requests failed": errors == 0,
         f"{after.get('in_flight')} generations still in flight": after.get("in_flight") == 0,
-        f"{after.get('affinity_sessions')} sessions still pinned to replicas": after.get("affinity_sessions") == 0,
+        f"{after.get('pinned_generations')} generations still pinned to replicas": after.get("pinned_generations") == 0,
         f"segments still in flight: {after.get('segments_in_flight')}": not any(
             (after.get("segments_in_flight") or {}).values()
         ),

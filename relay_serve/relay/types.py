@@ -68,7 +68,7 @@ class Backend(ABC):
         return EngineTraits()
 
     def stats(self) -> dict[str, int]:
-        """Counts for ``/v1/relay/stats`` (sessions pinned to replicas, leases, connections)."""
+        """Counts for ``/v1/relay/stats`` (generations pinned to replicas, leases, connections)."""
         return {}
 
     def segments_in_flight(self) -> dict[ModelRole, int] | None:

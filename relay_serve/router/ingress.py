@@ -188,7 +188,7 @@ class RelayRouter:
             return {"error": f"{type(e).__name__}: {e}"}
 
     async def stats(self) -> dict[str, Any]:
-        """This router replica's state: generations in flight, sessions pinned to replicas
+        """This router replica's state: generations in flight, generations pinned to replicas
         (leases held, or remembered by the affinity routers), segments in flight per model, open
         segment channels, its resident memory and the number of memory blocks Python has
         allocated (what a leak of Python objects would grow)."""
@@ -201,7 +201,7 @@ class RelayRouter:
         return {
             "node_id": node_id(),
             "in_flight": self.in_flight,
-            "affinity_sessions": held.get("affinity_sessions", 0),
+            "pinned_generations": held.get("pinned_generations", 0),
             "leases": held.get("leases"),
             "idle_leases": held.get("idle_leases"),
             "channels": held.get("channels"),

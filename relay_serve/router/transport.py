@@ -69,7 +69,7 @@ class HandleTransport:
     def stats(self) -> dict[str, int]:
         from relay_serve.router.affinity import affinity_map_size
 
-        return {"affinity_sessions": affinity_map_size()}
+        return {"pinned_generations": affinity_map_size()}
 
     async def segment(self, request: SegmentRequest, stream: Streaming) -> AsyncIterator[EngineChunk]:
         opts: dict[str, Any] = {"method_name": "generate" if stream else "complete", "stream": bool(stream)}
@@ -307,7 +307,7 @@ class DirectTransport:
     def stats(self) -> dict[str, int]:
         held = self.leases_held()
         return {
-            "affinity_sessions": len(self.leases),
+            "pinned_generations": len(self.leases),
             "leases": sum(held.values()),
             "idle_leases": sum(len(idle) for idle in self.idle.values()),
             "channels": len(self.pool),

@@ -7,13 +7,13 @@ import pytest
 
 from relay_serve.bench.soak import SoakSettings, failed_checks, run_soak
 
-EMPTY = {"in_flight": 0, "affinity_sessions": 0, "segments_in_flight": {"large": 0, "small": 0}, "idle_leases": 0}
+EMPTY = {"in_flight": 0, "pinned_generations": 0, "segments_in_flight": {"large": 0, "small": 0}, "idle_leases": 0}
 
 
 def test_the_router_must_be_empty_afterwards_not_just_back_where_it_was():
     assert failed_checks(0, EMPTY) == []
     # a session pinned before the load and still pinned after is a leak all the same
-    assert failed_checks(0, {**EMPTY, "affinity_sessions": 1}) == ["1 sessions still pinned to replicas"]
+    assert failed_checks(0, {**EMPTY, "pinned_generations": 1}) == ["1 generations still pinned to replicas"]
     assert failed_checks(0, {**EMPTY, "segments_in_flight": {"large": 0, "small": 2}})[0].startswith(
         "segments still in flight"
     )

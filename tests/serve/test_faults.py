@@ -229,7 +229,7 @@ def test_killing_a_large_replica_continues_on_the_other_one(faults_url):
 
 def test_router_forgets_every_session_after_the_faults(faults_url):
     stats = httpx.get(faults_url + "/v1/relay/stats", timeout=30).json()
-    assert stats["in_flight"] == 0 and stats["affinity_sessions"] == 0, stats
+    assert stats["in_flight"] == 0 and stats["pinned_generations"] == 0, stats
 
 
 def model_replica_holdings() -> dict[str, tuple[int, int] | None]:
