@@ -88,11 +88,11 @@ class FakeBackend(Backend):
         self.requests: list[SegmentRequest] = []
         self.unavailable: set[str] = set()
         self.faults: list[tuple[str, int]] = []  # (model, n): that model's next request dies after n tokens
-        self.refusal: str | None = None  # what small_refusal() says
+        self.small_refused: str | None = None  # what refusal("small") says
         self.cancelled = 0
 
-    def small_refusal(self) -> str | None:
-        return self.refusal
+    def refusal(self, model: str) -> str | None:
+        return self.small_refused if model == "small" else None
 
     async def identity(self, model: str, tokenizer: bool = True) -> ModelIdentity:
         from relay_serve.tokenizer import tokenizer_files

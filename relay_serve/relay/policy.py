@@ -97,7 +97,7 @@ class RelayGen:
         elif s.left <= 0:
             s.finish("length")
         else:  # the reasoning budget is spent: close it, and answer in the reserve
-            answerer: ModelRole = "large" if s.backend.small_refusal() is not None else "small"
+            answerer: ModelRole = "large" if s.backend.refusal("small") is not None else "small"
             s.force_text(self.settings.think_close, answerer, cue=self.settings.think_close)
             await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
 
@@ -160,7 +160,7 @@ class RelayGen:
 
     def _small_refused(self, s: Session) -> bool:
         """Whether the backend refuses a small-model segment now (counted as a kept handoff)."""
-        reason = s.backend.small_refusal()
+        reason = s.backend.refusal("small")
         if reason is not None:
             self._degrade(s, reason)
         return reason is not None

@@ -43,9 +43,10 @@ class Backend(ABC):
         (the small model's relay work) a request without a first token by then raises
         ``SmallModelUnavailable``."""
 
-    def small_refusal(self) -> str | None:
-        """Why a small-model segment should not be sent now (its deployment is past its queue
-        bound, or did not answer lately), or None when it may."""
+    def refusal(self, model: ModelRole) -> str | None:
+        """Why a segment of ``model`` should not be sent now (its deployment is past this
+        backend's bound on segments in flight, or did not answer lately), or None when it may.
+        What to do then is the policy's rule (relay: the large model keeps the small one's work)."""
         return None
 
     def prepare(self, session_id: str, models: Sequence[ModelRole]) -> None:

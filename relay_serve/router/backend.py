@@ -89,7 +89,9 @@ class ServeBackend(Backend):
         self._small_down_reason = ""
         self._last_reply: dict[ModelRole, float] = {}  # per model: when a segment of it last got a chunk
 
-    def small_refusal(self) -> str | None:
+    def refusal(self, model: ModelRole) -> str | None:
+        if model != "small":  # the large model is never refused: it has no one to fall back on
+            return None
         n, bound = self.in_flight["small"], self.max_small_in_flight
         if bound is not None and n >= bound:
             return (
@@ -150,7 +152,7 @@ class ServeBackend(Backend):
         return traits
 
     def prepare(self, session_id: str, models: Iterable[ModelRole]) -> None:
-        self.transport.prepare(session_id, [m for m in models if m != "small" or self.small_refusal() is None])
+        self.transport.prepare(session_id, [m for m in models if self.refusal(m) is None])
 
     def release(self, session_id: str) -> None:
         self.transport.release(session_id)

@@ -395,7 +395,7 @@ def test_a_small_sentence_whose_replica_died_is_finished_by_the_large_model():
 
 def test_a_refused_small_deployment_leaves_every_handoff_to_the_large_model():
     s, backend = make_session({"large": follow(REF), "small": follow(REF)})
-    backend.refusal = "the small deployment is past its queue bound"
+    backend.small_refused = "the small deployment is past its queue bound"
     r = run(s, RelayGen(PolicySettings(), CUES))
     assert r.text == REF and r.usage.small_tokens == 0
     assert r.usage.kept_on_large == 3  # two cues and the answer

@@ -112,7 +112,7 @@ def test_a_failed_call_is_an_engine_error_for_the_session_to_retry():
         b = ServeBackend(h, h, transport="handle")
         with pytest.raises(EngineError, match="ActorDiedError"):
             asyncio.run(drain(b, model))
-        assert b.in_flight == {"large": 0, "small": 0} and b.small_refusal() is None
+        assert b.in_flight == {"large": 0, "small": 0} and b.refusal("small") is None
 
 
 class Silent:
@@ -144,9 +144,9 @@ def test_a_silent_small_deployment_times_out_and_is_left_alone_for_a_while(strea
     with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
         asyncio.run(drain())
     assert h.response.cancelled and b.in_flight["small"] == 0
-    assert "did not answer" in b.small_refusal()
+    assert "did not answer" in b.refusal("small")
     b._small_down_until = 0.0  # the retry-after window has passed
-    assert b.small_refusal() is None
+    assert b.refusal("small") is None
 
 
 def test_past_the_queue_bound_small_segments_are_refused():
@@ -164,9 +164,9 @@ def test_past_the_queue_bound_small_segments_are_refused():
 
         tasks = [asyncio.create_task(drain()) for _ in range(2)]
         await asyncio.sleep(0.01)
-        during = b.small_refusal()
+        during = b.refusal("small")
         await asyncio.gather(*tasks)
-        return during, b.small_refusal()
+        return during, b.refusal("small")
 
     during, after = asyncio.run(go())
     assert "past its queue bound (2 segments in flight" in during and after is None

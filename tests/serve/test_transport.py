@@ -226,7 +226,7 @@ def test_a_small_deployment_without_a_replica_times_out_and_is_left_alone():
         with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
             await run(b, req("small"), timeout_s=0.05)
         cancelled = hs.calls[0].cancelled
-        refusal = b.small_refusal()
+        refusal = b.refusal("small")
         b.prepare("gen-2", ["large", "small"])  # while the small deployment is down: no lease asked
         return cancelled, refusal, len(hs.calls), b.in_flight
 
@@ -452,7 +452,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
             small_timeout_s=0.3,
         )
         out = await s.answer("small", cue=None, optional=True)
-        return out, b.small_refusal()
+        return out, b.refusal("small")
 
     out, refusal = asyncio.run(go())
     assert len(out.token_ids) == 50 and out.finish_reason == "length" and refusal is None
@@ -471,7 +471,7 @@ def test_one_slow_first_token_takes_out_its_own_segment_only():
         await asyncio.sleep(0.05)
         with pytest.raises(SmallModelUnavailable, match="first token took longer than 0.2 s"):
             await run(b, req("small", session="slow", n=3), stream="first", timeout_s=0.2)
-        refusal = b.small_refusal()
+        refusal = b.refusal("small")
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)
         return refusal
