@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.protocol import EngineChunk, ModelIdentity, SegmentRequest
 from relay_serve.relay.detok import WindowStream
-from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend
 
 _PIECE = re.compile(r"</?think>|\n\n|\n| ?[A-Za-z]+| ?\d| ?[^\sA-Za-z\d]|\s")

@@ -1,6 +1,6 @@
 """Who writes the next segment: RelayGen, the single-model baselines, and Speculative Thinking.
 
-Each policy is a small state machine over a :class:`~relay_serve.relay.session.Session`; the session
+Each policy is a small state machine over a :class:`~relay_serve.relay.generation.Generation`; the generation
 runs the engine requests and keeps the books. Knows nothing of Ray or vLLM.
 """
 
@@ -13,10 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relay_serve.protocol import ModelRole
 from relay_serve.relay.auto import AutoSettings
-from relay_serve.relay.session import (
+from relay_serve.relay.generation import (
+    Generation,
     Policy,
     SegmentOutcome,
-    Session,
     SmallModelUnavailable,
 )
 from relay_serve.relay.text import (
@@ -65,7 +65,7 @@ class SingleModel:
         self.prefetch: tuple[ModelRole, ...] = (model,)
         self.models: tuple[ModelRole, ...] = (model,)
 
-    async def run(self, s: Session) -> None:
+    async def run(self, s: Generation) -> None:
         out = await s.write(self.model, s.left)
         s.finish(out.finish_reason)
 
@@ -83,7 +83,7 @@ class RelayGen:
         self.cue_stops = cue_stop_strings(self.cues)
         self.small_stops = list(SENTENCE_STOPS) + [settings.think_close]
 
-    async def run(self, s: Session) -> None:
+    async def run(self, s: Generation) -> None:
         s.usage.cues = list(self.cues)
         while not s.done and not self._closed(s):
             cue = await self.large_turn(s)
@@ -101,13 +101,13 @@ class RelayGen:
             s.force_text(self.settings.think_close, answerer, cue=self.settings.think_close)
             await self.answer(s, cue=None)  # the answer continues the segment the forced close opened
 
-    def _closed(self, s: Session) -> bool:
+    def _closed(self, s: Generation) -> bool:
         return self.settings.think_close in s.output.text
 
-    def _reasoning_budget(self, s: Session) -> int:
+    def _reasoning_budget(self, s: Generation) -> int:
         return s.left - self.settings.answer_reserve_tokens
 
-    async def large_turn(self, s: Session) -> str | None:
+    async def large_turn(self, s: Generation) -> str | None:
         """The large model writes until a real cue after ``min_large_tokens`` of its own tokens.
 
         Returns that cue; None when the reasoning closed, its budget ran out or the output ended.
@@ -133,7 +133,7 @@ class RelayGen:
                 written = 0  # the large model writes this sentence too; the next cue may hand off
         return None
 
-    def _cue_at_end(self, s: Session, out: SegmentOutcome) -> str | None:
+    def _cue_at_end(self, s: Generation, out: SegmentOutcome) -> str | None:
         """The real cue that ends inside this segment's text (the one that stopped the engine)."""
         text = s.output.text
         pos = max(0, out.text_start - max((len(c) for c in self.cues), default=0))
@@ -142,7 +142,7 @@ class RelayGen:
             last, pos = match, match.start + 1
         return None if last is None or last.end <= out.text_start else last.cue
 
-    async def small_sentence(self, s: Session, cue: str) -> None:
+    async def small_sentence(self, s: Generation, cue: str) -> None:
         """The small model finishes the sentence the cue opened; the large model takes over at its
         end, or when the small model fails (the text it streamed stays) or ends its turn (EOS, a
         mistake in the middle of the reasoning: the large model goes on)."""
@@ -158,7 +158,7 @@ class RelayGen:
         if out.hit_eos and not s.done:
             s.take_back_silent_tokens()  # the end-of-sequence token is no part of the reasoning
 
-    def _small_refused(self, s: Session) -> bool:
+    def _small_refused(self, s: Generation) -> bool:
         """Whether the backend refuses a small-model segment now (counted as a kept handoff)."""
         reason = s.backend.refusal("small")
         if reason is not None:
@@ -166,12 +166,12 @@ class RelayGen:
         return reason is not None
 
     @staticmethod
-    def _degrade(s: Session, reason: str) -> None:
+    def _degrade(s: Generation, reason: str) -> None:
         s.usage.kept_on_large += 1
         s.usage.degraded = True
         s.usage.degraded_reason = s.usage.degraded_reason or reason
 
-    async def answer(self, s: Session, cue: str | None) -> None:
+    async def answer(self, s: Generation, cue: str | None) -> None:
         """The small model writes the answer (the large one when the small one cannot)."""
         if s.left <= 0:
             s.finish("length")
@@ -205,7 +205,7 @@ class SpeculativeThinking:
         self.reflection = re.compile(rf"(?<![\w])(?:{words})(?![\w])", re.IGNORECASE)
         self.stops = [self.BREAK, settings.think_close]
 
-    async def run(self, s: Session) -> None:
+    async def run(self, s: Generation) -> None:
         close = self.settings.think_close
         out = await s.write("small", s.left, self.stops)
         while not s.done and close not in s.output.text:
@@ -224,7 +224,7 @@ class SpeculativeThinking:
         out = await s.answer("small", cue=close)
         s.finish(out.finish_reason)
 
-    async def next_stretch(self, s: Session) -> SegmentOutcome:
+    async def next_stretch(self, s: Generation) -> SegmentOutcome:
         draft = await s.draft("small", self.settings.draft_tokens, self.stops)
         if self.reflection.search(draft.text):
             s.discard(draft)

@@ -28,7 +28,7 @@ from relay_serve.protocol import (
     SegmentRequest,
     Streaming,
 )
-from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, SmallModelUnavailable
 from relay_serve.relay.types import Backend
 from relay_serve.router.calls import own_request
 from relay_serve.router.transport import DirectTransport, HandleTransport

@@ -1,5 +1,5 @@
 """From an OpenAI request to a generation: the prompt's token ids, the checks against the
-router's limits and the context, the session and the policy with the cue set it starts with,
+router's limits and the context, the relay core's generation and the policy with the cue set it starts with,
 running it under the request's time limit, and the response. No HTTP, no Ray."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 from relay_serve.config import AppConfig
 from relay_serve.protocol import InvalidRequest, ModelRole, SamplingSettings
 from relay_serve.relay.auto import AutoChooser, LoadClock, Mark
-from relay_serve.relay.policy import MODEL_IDS, make_policy
-from relay_serve.relay.session import (
+from relay_serve.relay.generation import (
     EngineError,
+    Generation,
     Policy,
-    Session,
     SmallModelUnavailable,
 )
+from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.types import Backend, GenerationResult
 from relay_serve.router.cue_provider import CueProvider
 from relay_serve.router.metrics import RouterMetrics
@@ -50,11 +50,12 @@ CLIENT_GONE = 499  # the status a request is counted under when its client went 
 
 
 @dataclass
-class Generation:
-    """One request's generation, ready to run."""
+class ServedGeneration:
+    """One request's generation, ready to run: the request, the relay core's generation and the
+    policy that drives it."""
 
     request: AnyRequest
-    session: Session
+    generation: Generation
     policy: Policy
     chat: bool
     name: str  # the model id's policy: relay, large, small, speculative-thinking, auto
@@ -88,7 +89,7 @@ class Generations:
 
     # ---- request -> generation -----------------------------------------------------------------
 
-    async def prepare(self, req: AnyRequest, arrived: float | None = None) -> Generation:
+    async def prepare(self, req: AnyRequest, arrived: float | None = None) -> ServedGeneration:
         """The generation ``req`` asks for; a ClientError naming the field when it cannot be."""
         arrived = time.perf_counter() if arrived is None else arrived
         chat = isinstance(req, ChatCompletionRequest)
@@ -109,7 +110,7 @@ class Generations:
         if explored:
             cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue
         policy = make_policy(path, self.cfg.policy, cues)
-        session = Session(
+        generation = Generation(
             backend=self.backend,
             codec=self.codec,
             prompt_ids=prompt_ids,
@@ -122,9 +123,9 @@ class Generations:
             retry_backoff_s=self.cfg.router.retry_backoff_s,
             small_timeout_s=self.cfg.router.small_timeout_s,
         )
-        session.usage.explored = explored
-        session.usage.policy = path if name == "auto" else None
-        return Generation(req, session, policy, chat, name, arrived, explored, path=path)
+        generation.usage.explored = explored
+        generation.usage.policy = path if name == "auto" else None
+        return ServedGeneration(req, generation, policy, chat, name, arrived, explored, path=path)
 
     async def _pair(self, arrived: float) -> ServedPair:
         """The served pair; a request that comes while the model deployments start waits for them,
@@ -283,21 +284,21 @@ class Generations:
     # ---- running -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def running(self, g: Generation) -> Iterator[None]:
+    def running(self, g: ServedGeneration) -> Iterator[None]:
         """While ``g`` runs: counted in flight; after it, its leases go back to the backend."""
         g.mark = self.load.enter(g.path)
         try:
             yield
         finally:
             self.load.leave(g.path)
-            self.backend.release(g.session.session_id)
+            self.backend.release(g.generation.session_id)
 
-    async def run(self, g: Generation) -> dict[str, Any]:
+    async def run(self, g: ServedGeneration) -> dict[str, Any]:
         """The whole generation as a response body; a ServerError when it fails or takes longer
         than ``router.request_timeout_s``."""
         with self.running(g):
             try:
-                result = await asyncio.wait_for(g.session.run(g.policy), timeout=self.cfg.router.request_timeout_s)
+                result = await asyncio.wait_for(g.generation.run(g.policy), timeout=self.cfg.router.request_timeout_s)
             except TimeoutError as e:
                 self.metrics.request(g.name, 504, g.age())
                 raise ServerError(self.timeout_message(), status=504) from e
@@ -305,13 +306,13 @@ class Generations:
                 self.metrics.request(g.name, CLIENT_GONE, g.age())
                 raise
             except Exception as e:  # noqa: BLE001 - typed for the client by failure()
-                err = failure(e, g.session.session_id)
+                err = failure(e, g.generation.session_id)
                 self.metrics.request(g.name, err.status, g.age())
                 raise err from e
         self.finished(g, result)
         return response(g, result)
 
-    def finished(self, g: Generation, result: GenerationResult, ttft_s: float | None = None) -> None:
+    def finished(self, g: ServedGeneration, result: GenerationResult, ttft_s: float | None = None) -> None:
         """Count a generation that ran to its end (``ttft_s``: a streamed one's first text)."""
         e2e = g.age()
         self.metrics.request(g.name, 200, e2e)
@@ -322,22 +323,22 @@ class Generations:
             self.auto.record(g.path, load, result.usage.wall_s, len(result.token_ids), purity)
             self.metrics.auto_choice(g.path)
         if self.shadow is not None and g.path == "relay" and g.request.relay_cues is None:
-            self.shadow.offer(g.session.prompt_ids, result.token_ids, g.session.output.owners, g.explored)
+            self.shadow.offer(g.generation.prompt_ids, result.token_ids, g.generation.output.owners, g.explored)
 
     def timeout_message(self) -> str:
         return f"the generation took longer than {self.cfg.router.request_timeout_s} s"
 
 
-def usage(session: Session, result: GenerationResult) -> Usage:
-    n_prompt, n_out = len(session.prompt_ids), len(result.token_ids)
+def usage(generation: Generation, result: GenerationResult) -> Usage:
+    n_prompt, n_out = len(generation.prompt_ids), len(result.token_ids)
     return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out, relay=result.usage)
 
 
-def response(g: Generation, result: GenerationResult) -> dict[str, Any]:
+def response(g: ServedGeneration, result: GenerationResult) -> dict[str, Any]:
     """The OpenAI response body of a finished generation (with the trace when asked for)."""
     req = g.request
     common = dict(
-        id=new_id("chatcmpl" if g.chat else "cmpl"), created=now(), model=req.model, usage=usage(g.session, result)
+        id=new_id("chatcmpl" if g.chat else "cmpl"), created=now(), model=req.model, usage=usage(g.generation, result)
     )
     trace = result.trace if req.relay_trace else None
     if g.chat:

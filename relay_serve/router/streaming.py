@@ -10,8 +10,8 @@ from typing import Any
 from relay_serve.relay.types import GenerationResult, TextDelta
 from relay_serve.router.generations import (
     CLIENT_GONE,
-    Generation,
     Generations,
+    ServedGeneration,
     failure,
     usage,
 )
@@ -21,7 +21,7 @@ from relay_serve.router.openai_api import error_body, new_id, now
 class EventFormat:
     """The SSE lines of one response: chat chunks or completion chunks."""
 
-    def __init__(self, g: Generation) -> None:
+    def __init__(self, g: ServedGeneration) -> None:
         self.g = g
         self.head = {
             "id": new_id("chatcmpl" if g.chat else "cmpl"),
@@ -45,7 +45,7 @@ class EventFormat:
         req = self.g.request
         if req.stream_options is None or not req.stream_options.include_usage:
             return None
-        tail: dict[str, Any] = {**self.head, "choices": [], "usage": usage(self.g.session, result).model_dump()}
+        tail: dict[str, Any] = {**self.head, "choices": [], "usage": usage(self.g.generation, result).model_dump()}
         if req.relay_trace:
             tail["relay_trace"] = [s.model_dump() for s in result.trace]
             tail["relay_engine_requests"] = [r.model_dump() for r in result.engine_requests]
@@ -59,17 +59,17 @@ class EventFormat:
         return sse({**self.head, "choices": [choice]})
 
 
-async def events(generations: Generations, g: Generation) -> AsyncIterator[str]:
+async def events(generations: Generations, g: ServedGeneration) -> AsyncIterator[str]:
     """The response's SSE lines as the generation runs; closing it (the client went away)
     cancels the generation and its engine requests."""
     fmt = EventFormat(g)
     metrics = generations.metrics
     status: int | None = CLIENT_GONE  # until the stream ends otherwise
     with generations.running(g):
-        # The deadline bounds the generation where it runs (the session's task), not this
+        # The deadline bounds the generation where it runs (the generation's task), not this
         # generator: a timeout across a ``yield`` would land in the writer of a slow client, which
         # would get neither the error event nor [DONE].
-        stream = g.session.stream(g.policy, timeout_s=generations.cfg.router.request_timeout_s)
+        stream = g.generation.stream(g.policy, timeout_s=generations.cfg.router.request_timeout_s)
         try:
             if (line := fmt.start()) is not None:
                 yield line
@@ -88,7 +88,7 @@ async def events(generations: Generations, g: Generation) -> AsyncIterator[str]:
             status = 504
             yield sse(error_body(generations.timeout_message(), "server_error", code="timeout"))
         except Exception as e:  # noqa: BLE001 - reported to the client in the stream
-            err = failure(e, g.session.session_id)
+            err = failure(e, g.generation.session_id)
             status = err.status
             yield sse(err.body())
         finally:

@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relay_serve.protocol import EngineChunk, SamplingSettings
+from relay_serve.relay.generation import EngineError, Generation
 from relay_serve.relay.policy import (
     PolicySettings,
     RelayGen,
     SingleModel,
     SpeculativeThinking,
 )
-from relay_serve.relay.session import EngineError, Session
 from relay_serve.relay.types import GenerationResult, TextDelta
 from tests.fakes import FakeBackend, FakeCodec, follow
 
@@ -31,7 +31,7 @@ CUES = ["Thus,", "Therefore,"]
 def make_session(scripts, max_tokens=500, stops=None, prompt=PROMPT, delay_s=0.0):
     codec = FakeCodec()
     backend = FakeBackend(codec, scripts, delay_s=delay_s)
-    s = Session(
+    s = Generation(
         backend=backend,
         codec=codec,
         prompt_ids=codec.encode(prompt),
@@ -191,7 +191,7 @@ def test_the_end_of_sequence_token_of_a_small_sentence_is_taken_back():
     backend = EosBackend(codec, {"large": follow(REF), "small": follow(REF)})
     backend.eos = codec.encode("<think>")[0] + 10_000
     codec.pieces += [""] * (backend.eos - len(codec.pieces) + 1)  # the EOS token decodes to nothing
-    s = Session(
+    s = Generation(
         backend=backend,
         codec=codec,
         prompt_ids=codec.encode(PROMPT),

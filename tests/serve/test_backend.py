@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from relay_serve.protocol import EngineChunk, SegmentRequest
-from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, SmallModelUnavailable
 from relay_serve.router.backend import ServeBackend
 
 

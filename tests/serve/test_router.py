@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from relay_serve.protocol import EngineChunk
-from relay_serve.relay.session import EngineError
+from relay_serve.relay.generation import EngineError
 from relay_serve.router.ingress import RelayRouter
 from relay_serve.toy.tokenizer import TOKENIZER_DIR
 from tests.fakes import FakeBackend, follow

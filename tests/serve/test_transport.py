@@ -12,7 +12,7 @@ import pytest
 
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.protocol import EngineChunk, SegmentRequest
-from relay_serve.relay.session import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, SmallModelUnavailable
 from relay_serve.replica.model_server import ModelServer
 from relay_serve.router.backend import ServeBackend
 
@@ -331,10 +331,10 @@ def scripted(prompt: str, ref: str):
 async def relay_over(backend: ServeBackend, codec, prompt: str):
     """One RelayGen generation (cue ``Thus,``) over ``backend``."""
     from relay_serve.protocol import SamplingSettings
+    from relay_serve.relay.generation import Generation
     from relay_serve.relay.policy import PolicySettings, RelayGen
-    from relay_serve.relay.session import Session
 
-    s = Session(
+    s = Generation(
         backend=backend,
         codec=codec,
         prompt_ids=codec.encode(prompt),
@@ -427,7 +427,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     stays in service."""
     from relay_serve.protocol import SamplingSettings
     from relay_serve.relay.detok import WindowStream
-    from relay_serve.relay.session import Session
+    from relay_serve.relay.generation import Generation
 
     class Numbers:  # decodes the fake engine's token ids (7, 8, 9, ...)
         def encode(self, text):
@@ -442,7 +442,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
     async def go():
         b, (large, _), (small, _) = setup()
         small.engine.delay_s = 0.02  # 50 tokens: 1 s
-        s = Session(
+        s = Generation(
             backend=b,
             codec=Numbers(),
             prompt_ids=[1, 2],
@@ -461,7 +461,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
 def test_one_slow_first_token_takes_out_its_own_segment_only():
     """While other small-model segments are answered, one whose first token is late goes to the
     large model alone; the small deployment stays in service."""
-    from relay_serve.relay.session import SmallModelUnavailable
+    from relay_serve.relay.generation import SmallModelUnavailable
 
     async def go():
         b, _, (small, _) = setup()

@@ -1,9 +1,9 @@
 """Drives one generation through segments. Knows nothing of Ray or vLLM.
 
-A :class:`Session` owns the growing output (:class:`~relay_serve.relay.output.Output`) and runs
+A :class:`Generation` owns the growing output (:class:`~relay_serve.relay.output.Output`) and runs
 engine requests for a policy through the abstract :class:`~relay_serve.relay.types.Backend`: each
 request continues the full context (prompt + everything written so far), so the engines' prefix
-caches make a handoff cheap. The policy decides who writes next; the session does the bookkeeping
+caches make a handoff cheap. The policy decides who writes next; the generation does the bookkeeping
 (budget, usage, trace, streaming, cancellation).
 """
 
@@ -76,13 +76,13 @@ class Policy(Protocol):
     prefetch: tuple[ModelRole, ...]  # the models every generation will use: the backend may get them ready
     models: tuple[ModelRole, ...]  # the models it may use at all (their engines must accept its sampling)
 
-    async def run(self, session: Session) -> None:
-        """Write the whole generation through ``session``'s steps."""
+    async def run(self, generation: Generation) -> None:
+        """Write the whole generation through ``generation``'s steps."""
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one segment runs (what the named steps of :class:`Session` set)."""
+    """How one segment runs (what the named steps of :class:`Generation` set)."""
 
     model: ModelRole
     stop: list[str]
@@ -92,11 +92,11 @@ class _Plan:
     commit: bool = True  # False: a draft, returned and not added to the output
     sentence: bool = False  # end at the sentence end (take back a token that starts the next)
     optional: bool = False  # the small model's relay work: a deadline for its first reply
-    retries: int | None = None  # default: the session's
+    retries: int | None = None  # default: the generation's
 
 
 @dataclass
-class Session:
+class Generation:
     """One generation: ``prompt_ids`` continued for at most ``max_tokens`` tokens."""
 
     backend: Backend
@@ -180,7 +180,7 @@ class Session:
         """Run one segment. An engine request that fails (its replica died, its stream ended
         unfinished) is sent again over the context as it now stands, for the tokens it still owes:
         the text already written stays and nothing is written twice. After ``plan.retries`` (default:
-        the session's) further failures the segment raises :class:`SmallModelUnavailable` for the
+        the generation's) further failures the segment raises :class:`SmallModelUnavailable` for the
         small model (policies can hand its work to the large one) or :class:`EngineError`."""
         max_tokens = min(plan.max_tokens, self.left)
         if max_tokens <= 0:
@@ -212,7 +212,7 @@ class Session:
             except EngineError as e:  # an engine, a replica or the way to it failed: asked again (a bug is not)
                 failures += 1
                 log.warning(
-                    "session %s: %s engine request failed (failure %d, %d retries allowed): %s",
+                    "generation %s: %s engine request failed (failure %d, %d retries allowed): %s",
                     self.session_id,
                     plan.model,
                     failures,
