@@ -16,7 +16,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
+from relay_serve.config import RouterSettings
 from relay_serve.protocol import (
     ContextGap,
     EngineChunk,
@@ -55,35 +57,34 @@ class ServeBackend(Backend):
         self,
         large,
         small,
-        affinity: bool = True,
-        max_small_in_flight: int | None = None,
-        small_retry_after_s: float = 10.0,
-        transport: str = "direct",
-        lease_ttl_s: float = 660.0,
-        lease_idle_s: float = 2.0,
-        lease_max_age_s: float = 30.0,
+        settings: RouterSettings | None = None,
+        *,
         in_rotation: Callable[[ModelRole, str], bool] | None = None,
-        resumable: bool = True,
+        **overrides: Any,
     ) -> None:
+        """The backend over the two deployments' handles, as the router's ``settings`` say (their
+        defaults when None; ``overrides`` replace fields of them, checked as the config is).
+        ``in_rotation(model, replica_id)``: whether Serve still routes to that replica."""
+        r = settings or RouterSettings()
+        if overrides:
+            r = RouterSettings.model_validate({**r.model_dump(), **overrides})
         handles = self.handles = {"large": large, "small": small}
         self._traits: dict[str, tuple[float, EngineTraits]] = {}
         self._traits_fetch: dict[str, asyncio.Future[EngineTraits]] = {}
-        if transport == "direct":
+        if r.transport == "direct":
             self.transport: DirectTransport | HandleTransport = DirectTransport(
                 handles,
-                affinity=affinity,
-                ttl_s=lease_ttl_s,
-                idle_s=lease_idle_s,
-                max_age_s=lease_max_age_s,
+                affinity=r.session_affinity,
+                ttl_s=r.lease_max_age_s + r.request_timeout_s + 60.0,  # outlives any use of the lease
+                idle_s=r.lease_idle_s,
+                max_age_s=r.lease_max_age_s,
                 in_rotation=in_rotation,
-                resumable=resumable,
+                resumable=r.resumable_requests,
             )
-        elif transport == "handle":
-            self.transport = HandleTransport(handles, affinity=affinity)
         else:
-            raise ValueError(f"unknown transport {transport!r}: direct or handle")
-        self.max_small_in_flight = max_small_in_flight
-        self.small_retry_after_s = small_retry_after_s
+            self.transport = HandleTransport(handles, affinity=r.session_affinity)
+        self.max_small_in_flight = r.max_small_in_flight
+        self.small_retry_after_s = r.small_retry_after_s
         self.in_flight = {"large": 0, "small": 0}
         self._small_down_until = 0.0
         self._small_down_reason = ""

@@ -268,17 +268,9 @@ def _serve_backend(cfg: AppConfig, large, small) -> Backend:
     from relay_serve.router import affinity_registry
     from relay_serve.router.backend import ServeBackend
 
-    r = cfg.router
     return ServeBackend(
         large,
         small,
-        affinity=r.session_affinity,
-        max_small_in_flight=r.max_small_in_flight,
-        small_retry_after_s=r.small_retry_after_s,
-        transport=r.transport,
-        lease_ttl_s=r.lease_max_age_s + r.request_timeout_s + 60.0,  # outlives any use of it
-        lease_idle_s=r.lease_idle_s,
-        lease_max_age_s=r.lease_max_age_s,
-        resumable=r.resumable_requests,
+        cfg.router,
         in_rotation=lambda model, replica_id: affinity_registry.replica_running(cfg.name, model, replica_id),
     )

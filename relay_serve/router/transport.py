@@ -176,12 +176,13 @@ class DirectTransport:
     def __init__(
         self,
         handles: dict[str, Any],
-        affinity: bool = True,
-        ttl_s: float = 660.0,
-        idle_s: float = 2.0,
-        max_age_s: float = 30.0,
+        *,
+        affinity: bool,
+        ttl_s: float,
+        idle_s: float,
+        max_age_s: float,
+        resumable: bool,
         in_rotation: Callable[[ModelRole, str], bool] | None = None,
-        resumable: bool = True,
     ) -> None:
         self.handles = handles
         self.resumable = resumable
