@@ -191,7 +191,7 @@ def test_a_failed_segment_gives_its_lease_back_and_the_retry_takes_a_new_one():
 def test_a_lost_lease_fails_the_segments_under_way_on_its_replica_at_once():
     async def go():
         b, (large, hl), _ = setup()
-        large.engine.delay_s = 0.5
+        large.engine.delay_s = 30.0  # a token every 30 s: only the lost lease can end the segment soon
         task = asyncio.create_task(run(b, req(n=100), stream=True))
         await asyncio.sleep(0.1)
         t0 = asyncio.get_running_loop().time()
@@ -200,7 +200,7 @@ def test_a_lost_lease_fails_the_segments_under_way_on_its_replica_at_once():
             await task
         return asyncio.get_running_loop().time() - t0
 
-    assert asyncio.run(go()) < 0.3
+    assert asyncio.run(go()) < 10.0  # not the engine's next token
 
 
 def test_without_affinity_every_segment_takes_a_lease_of_its_own():
