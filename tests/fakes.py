@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.protocol import EngineChunk, ModelIdentity, SegmentRequest
 from relay_serve.relay.detok import WindowStream
-from relay_serve.relay.generation import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, ModelUnavailable
 from relay_serve.relay.types import Backend
 
 _PIECE = re.compile(r"</?think>|\n\n|\n| ?[A-Za-z]+| ?\d| ?[^\sA-Za-z\d]|\s")
@@ -125,7 +125,7 @@ class FakeBackend(Backend):
         self.requests.append(request)
         seen = self._check_unchanged(request)
         if request.model in self.unavailable:
-            raise SmallModelUnavailable(f"{request.model} deployment has no replica")
+            raise ModelUnavailable(f"{request.model} deployment has no replica")
         n_prompt = self.prompts.setdefault(request.session_id, len(request.prompt_token_ids))
         written_ids = request.prompt_token_ids[n_prompt:]
         pieces = self.codec.encode(self.scripts[request.model](self.codec.decode(written_ids)))

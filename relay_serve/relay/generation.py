@@ -42,8 +42,10 @@ from relay_serve.relay.types import (
 log = logging.getLogger(__name__)
 
 
-class SmallModelUnavailable(Exception):
-    """The small model could not serve a segment; policies may degrade to the large model."""
+class ModelUnavailable(Exception):
+    """A model could not serve a segment now (no first reply within the segment's deadline, or the
+    small model's retries are spent): the policy decides who writes it instead (relay: the large
+    model)."""
 
 
 class EngineError(Exception):
@@ -162,7 +164,7 @@ class Generation:
     async def sentence(self, model: ModelRole, max_tokens: int, stop: Sequence[str], cue: str) -> SegmentOutcome:
         """``model`` (the small one) finishes the sentence ``cue`` opened: a token that begins the
         next sentence is taken back (:meth:`end_at_sentence`). Optional work: no retry, and no
-        first reply within ``small_timeout_s`` raises :class:`SmallModelUnavailable`."""
+        first reply within ``small_timeout_s`` raises :class:`ModelUnavailable`."""
         return await self._segment(
             _Plan(model, list(stop), [], max_tokens, cue, sentence=True, optional=True, retries=0)
         )
@@ -180,7 +182,7 @@ class Generation:
         """Run one segment. An engine request that fails (its replica died, its stream ended
         unfinished) is sent again over the context as it now stands, for the tokens it still owes:
         the text already written stays and nothing is written twice. After ``plan.retries`` (default:
-        the generation's) further failures the segment raises :class:`SmallModelUnavailable` for the
+        the generation's) further failures the segment raises :class:`ModelUnavailable` for the
         small model (policies can hand its work to the large one) or :class:`EngineError`."""
         max_tokens = min(plan.max_tokens, self.left)
         if max_tokens <= 0:
@@ -207,7 +209,7 @@ class Generation:
         while True:
             try:
                 last = await self._engine_request(plan, max_tokens - len(tokens), tokens)
-            except (SmallModelUnavailable, InvalidRequest):
+            except (ModelUnavailable, InvalidRequest):
                 raise  # the deployment cannot answer now, or the request is at fault: no point asking again
             except EngineError as e:  # an engine, a replica or the way to it failed: asked again (a bug is not)
                 failures += 1
@@ -221,7 +223,7 @@ class Generation:
                 )
                 if failures > allowed:
                     failed = f"the {plan.model} model failed {failures} time{'s' if failures > 1 else ''}; last: {e}"
-                    raise (SmallModelUnavailable if plan.model == "small" else EngineError)(failed) from e
+                    raise (ModelUnavailable if plan.model == "small" else EngineError)(failed) from e
                 self.usage.retries += 1
                 await asyncio.sleep(self.retry_backoff_s * failures)
                 if not (self.output.stopped or len(tokens) >= max_tokens):

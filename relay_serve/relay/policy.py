@@ -15,9 +15,9 @@ from relay_serve.protocol import ModelRole
 from relay_serve.relay.auto import AutoSettings
 from relay_serve.relay.generation import (
     Generation,
+    ModelUnavailable,
     Policy,
     SegmentOutcome,
-    SmallModelUnavailable,
 )
 from relay_serve.relay.text import (
     SENTENCE_STOPS,
@@ -152,7 +152,7 @@ class RelayGen:
         try:
             # No retry: the large model finishing the sentence is quicker than waiting for a replica.
             out = await s.sentence("small", budget, self.small_stops, cue)
-        except SmallModelUnavailable as e:
+        except ModelUnavailable as e:
             self._degrade(s, str(e))
             return
         if out.hit_eos and not s.done:
@@ -181,7 +181,7 @@ class RelayGen:
                 out = await s.answer("small", cue, optional=True)
                 s.finish(out.finish_reason)
                 return
-            except SmallModelUnavailable as e:
+            except ModelUnavailable as e:
                 self._degrade(s, str(e))
             if s.done or s.left <= 0:
                 s.finish("length")

@@ -41,7 +41,7 @@ class Backend(ABC):
         ``stream`` the backend may deliver it in one chunk (fewer messages; nobody is watching);
         with ``"first"``, the first token at once and the rest in one chunk. With ``timeout_s``
         (the small model's relay work) a request without a first token by then raises
-        ``SmallModelUnavailable``."""
+        ``ModelUnavailable``."""
 
     def refusal(self, model: ModelRole) -> str | None:
         """Why a segment of ``model`` should not be sent now (its deployment is past this

@@ -30,7 +30,7 @@ from relay_serve.protocol import (
     SegmentRequest,
     Streaming,
 )
-from relay_serve.relay.generation import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, ModelUnavailable
 from relay_serve.relay.types import Backend
 from relay_serve.router.calls import own_request
 from relay_serve.router.transport import DirectTransport, HandleTransport
@@ -86,21 +86,17 @@ class ServeBackend(Backend):
         self.max_small_in_flight = r.max_small_in_flight
         self.small_retry_after_s = r.small_retry_after_s
         self.in_flight = {"large": 0, "small": 0}
-        self._small_down_until = 0.0
-        self._small_down_reason = ""
+        self._down: dict[ModelRole, tuple[float, str]] = {}  # per model: refused until, and why
         self._last_reply: dict[ModelRole, float] = {}  # per model: when a segment of it last got a chunk
 
     def refusal(self, model: ModelRole) -> str | None:
-        if model != "small":  # the large model is never refused: it has no one to fall back on
-            return None
-        n, bound = self.in_flight["small"], self.max_small_in_flight
+        n, bound = self.in_flight[model], self.max_small_in_flight if model == "small" else None
         if bound is not None and n >= bound:
             return (
                 f"the small deployment is past its queue bound ({n} segments in flight from this router, bound {bound})"
             )
-        if time.monotonic() < self._small_down_until:
-            return self._small_down_reason
-        return None
+        until, reason = self._down.get(model, (0.0, ""))
+        return reason if time.monotonic() < until else None
 
     def has_replied(self, model: ModelRole) -> bool:
         return model in self._last_reply
@@ -173,21 +169,21 @@ class ServeBackend(Backend):
     def close(self) -> None:
         self.transport.close()
 
-    def _small_timed_out(self, timeout_s: float) -> str:
-        """Why a small-model segment missed its deadline; takes the deployment out for a while
-        when none of its segments got a token during that time."""
-        if time.monotonic() - self._last_reply.get("small", float("-inf")) < timeout_s:
+    def _timed_out(self, model: ModelRole, timeout_s: float) -> str:
+        """Why a segment of ``model`` missed its first-token deadline; refuses the model's segments
+        for ``small_retry_after_s`` when none of its segments got a token during that time."""
+        if time.monotonic() - self._last_reply.get(model, float("-inf")) < timeout_s:
             return (
-                f"the small model's first token took longer than {timeout_s} s "
-                "(other small-model segments were answered)"
+                f"the {model} model's first token took longer than {timeout_s} s "
+                f"(other {model}-model segments were answered)"
             )
-        self._small_down_until = time.monotonic() + self.small_retry_after_s
-        self._small_down_reason = (
-            f"the small deployment did not answer within {timeout_s} s (scaled to zero or "
-            f"unreachable); the large model writes its segments for {self.small_retry_after_s} s"
+        reason = (
+            f"the {model} deployment did not answer within {timeout_s} s (scaled to zero or "
+            f"unreachable); its segments are refused for {self.small_retry_after_s} s"
         )
-        log.warning("%s", self._small_down_reason)
-        return self._small_down_reason
+        self._down[model] = (time.monotonic() + self.small_retry_after_s, reason)
+        log.warning("%s", reason)
+        return reason
 
     async def generate(
         self, request: SegmentRequest, stream: Streaming = True, timeout_s: float | None = None
@@ -208,9 +204,7 @@ class ServeBackend(Backend):
                 yield chunk
         except TimeoutError as e:
             self.transport.drop(request.session_id, model)  # a lease still queued in Serve goes too
-            if model != "small":
-                raise EngineError(f"{model} deployment: no reply within {timeout_s} s") from e
-            raise SmallModelUnavailable(self._small_timed_out(timeout_s)) from e
+            raise ModelUnavailable(self._timed_out(model, timeout_s)) from e
         except InvalidRequest:
             raise  # the request's fault: a 400, not an engine failure
         except Exception as e:

@@ -18,8 +18,8 @@ from relay_serve.relay.auto import AutoChooser, LoadClock, Mark
 from relay_serve.relay.generation import (
     EngineError,
     Generation,
+    ModelUnavailable,
     Policy,
-    SmallModelUnavailable,
 )
 from relay_serve.relay.policy import MODEL_IDS, make_policy
 from relay_serve.relay.types import Backend, GenerationResult
@@ -360,7 +360,7 @@ def failure(e: Exception, session_id: str) -> ClientError | ServerError:
     """What a client is told when a generation fails (HTTP status and body; in a stream, the body)."""
     if isinstance(e, InvalidRequest):
         return ClientError(f"an engine refused the request: {e.message}", param=e.param)
-    if isinstance(e, SmallModelUnavailable):
+    if isinstance(e, ModelUnavailable):
         return ServerError(f"the small model is unavailable: {e}", status=503, code="model_unavailable")
     if isinstance(e, EngineError):
         log.warning("generation %s failed: %s", session_id, e)

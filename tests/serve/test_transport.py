@@ -12,7 +12,7 @@ import pytest
 
 from relay_serve.engine.base import Engine, EngineInfo
 from relay_serve.protocol import EngineChunk, SegmentRequest
-from relay_serve.relay.generation import EngineError, SmallModelUnavailable
+from relay_serve.relay.generation import EngineError, ModelUnavailable
 from relay_serve.replica.model_server import ModelServer
 from relay_serve.router.backend import ServeBackend
 
@@ -223,7 +223,7 @@ def test_a_small_deployment_without_a_replica_times_out_and_is_left_alone():
         hs = FakeHandle(None)
         b = ServeBackend(FakeHandle(large), hs, small_retry_after_s=60)
         b.prepare("gen-1", ["large", "small"])
-        with pytest.raises(SmallModelUnavailable, match="did not answer within 0.05 s"):
+        with pytest.raises(ModelUnavailable, match="did not answer within 0.05 s"):
             await run(b, req("small"), timeout_s=0.05)
         cancelled = hs.calls[0].cancelled
         refusal = b.refusal("small")
@@ -461,7 +461,7 @@ def test_a_long_unstreamed_small_answer_is_bounded_by_its_first_token_only():
 def test_one_slow_first_token_takes_out_its_own_segment_only():
     """While other small-model segments are answered, one whose first token is late goes to the
     large model alone; the small deployment stays in service."""
-    from relay_serve.relay.generation import SmallModelUnavailable
+    from relay_serve.relay.generation import ModelUnavailable
 
     async def go():
         b, _, (small, _) = setup()
@@ -469,7 +469,7 @@ def test_one_slow_first_token_takes_out_its_own_segment_only():
         small.engine.first_delay_s["slow"] = 0.5  # this segment's first token comes late
         busy = asyncio.create_task(run(b, req("small", session="other", n=60), stream=True))  # answered all along
         await asyncio.sleep(0.05)
-        with pytest.raises(SmallModelUnavailable, match="first token took longer than 0.2 s"):
+        with pytest.raises(ModelUnavailable, match="first token took longer than 0.2 s"):
             await run(b, req("small", session="slow", n=3), stream="first", timeout_s=0.2)
         refusal = b.refusal("small")
         busy.cancel()
