@@ -31,6 +31,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence, Set
 
+import ahocorasick
 import numpy as np
 
 from relay_serve.relay.text import is_word_char
@@ -73,11 +74,13 @@ class PauseTokens:
     """The pause token ids of sets of stop strings, for one vocabulary (``texts[i]`` is the
     decoded text of token ``i`` alone).
 
-    Built once per vocabulary (about 2 s for 151,936 texts here; a replica builds it at start-up):
-    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, and the
-    texts' ids by text. The pause ids of a stop list then come from range lookups: tokens that
-    start with a string (a range of the sorted texts), end with one (of the reversed), hold one
-    (of the suffixes), or are one; the ranges are joined by numpy. A query costs the log of the
+    Built once per vocabulary (about 3 s for 151,936 texts here; a replica builds it at start-up):
+    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, the texts'
+    ids by text, and an Aho-Corasick automaton of the texts (pyahocorasick). The pause ids of a
+    stop list then come from range lookups: tokens that start with a string (a range of the
+    sorted texts), end with one (of the reversed), hold one (of the suffixes); and from one pass
+    of the automaton over a stop for the tokens that are a piece of it. The ids are joined by
+    numpy. A query costs the log of the
     vocabulary's size per string looked up plus the ids it finds, never a pass over the
     vocabulary; no string longer than the longest text is looked up. :meth:`lookup` runs a stop
     list never seen in a worker thread, off the caller's event loop."""
@@ -102,6 +105,12 @@ class PauseTokens:
         for i, t in enumerate(self.texts):
             exact.setdefault(t, []).append(i)
         self._exact = {t: np.asarray(ids, dtype=np.int32) for t, ids in exact.items()}
+        # every text, to find those a stop holds in one pass (pyahocorasick: a C automaton)
+        self._automaton = ahocorasick.Automaton()
+        for t, ids in exact.items():
+            if t:
+                self._automaton.add_word(t, (len(t), tuple(ids)))
+        self._automaton.make_automaton()  # a vocabulary of empty texts only: no automaton (kind EMPTY)
         self._partial = np.array(
             [i for i, t in enumerate(self.texts) if "\ufffd" in t], dtype=np.int32
         )  # pieces of a multi-byte character
@@ -139,7 +148,7 @@ class PauseTokens:
         if not stops:
             return NO_PAUSES
         parts: list[np.ndarray] = []
-        pieces: set[str] = set()
+        pieces: set[int] = set()  # ids of tokens that are a piece of a stop
         n = self._longest
         for s in stops:
             if len(s) <= n:
@@ -165,7 +174,8 @@ class PauseTokens:
             else:
                 for j in range(max(1, len(s) - n), len(s)):  # tokens that start with the rest of a proper prefix
                     parts.append(self._prefixes.starting_with(s[j:]))
-        parts.extend(self._exact[piece] for piece in pieces if piece in self._exact)
+        if pieces:
+            parts.append(np.fromiter(pieces, dtype=np.int32, count=len(pieces)))
         if any(not s.isascii() for s in stops):
             parts.append(self._partial)
         if not parts:
@@ -174,27 +184,16 @@ class PauseTokens:
         marked[np.concatenate(parts)] = True
         return PauseIds(np.flatnonzero(marked).tolist())
 
-    def _pieces(self, stop: str, found: set[str]) -> None:
-        """Add to ``found`` every ``stop[i:j]`` (1 <= i < j < len(stop)) that some token starts
-        with (those that are a token are among them). From each start the piece grows while some
-        token starts with it: a hash lookup while it is short, then one bisection a step from
-        where the last one ended; so a walk ends after a word's length, not the stop's."""
-        short = self._prefixes.short
-        for i in range(1, len(stop) - 1):
-            for j in range(i + 1, min(len(stop), i + SHORT + 1)):
-                piece = stop[i:j]
-                if piece not in short:
-                    break  # no token starts with it: none is it or a longer piece from here
-                found.add(piece)
-            else:
-                lo = 0
-                for j in range(i + SHORT + 1, len(stop)):
-                    piece = stop[i:j]
-                    at = self._prefixes.any_starts_with(piece, lo)
-                    if at is None:
-                        break
-                    lo = at
-                    found.add(piece)
+    def _pieces(self, stop: str, found: set[int]) -> None:
+        """Add to ``found`` the ids of the tokens whose whole text is some ``stop[i:j]`` (1 <= i <
+        j < len(stop)): one pass of the texts' Aho-Corasick automaton over the stop (every
+        occurrence of every text in it), in C."""
+        if self._automaton.kind != ahocorasick.AHOCORASICK:
+            return  # no text to find
+        last = len(stop) - 2  # a piece ends before the stop's last character
+        for end, (length, ids) in self._automaton.iter(stop):
+            if length <= end <= last:  # starts at 1 or later
+                found.update(ids)
 
 
 def _word_tail(text: str) -> int:
@@ -219,14 +218,6 @@ class _Sorted:
         self.keys = [keys[i] for i in order]
         self.ids = np.asarray(order, dtype=np.int32)
         self.short = frozenset(k[:j] for k in self.keys for j in range(1, min(len(k), SHORT) + 1))
-
-    def any_starts_with(self, prefix: str, lo: int = 0) -> int | None:
-        """Where the keys that start with ``prefix`` begin (from ``lo``, which must not be past
-        them), None when no key does."""
-        if prefix[:SHORT] not in self.short:
-            return None
-        lo = bisect_left(self.keys, prefix, lo)
-        return lo if lo < len(self.keys) and self.keys[lo].startswith(prefix) else None
 
     def range_of(self, prefix: str) -> tuple[int, int]:
         """The positions ``lo:hi`` of the keys that start with ``prefix`` (empty: none does)."""
