@@ -80,10 +80,9 @@ class PauseTokens:
     stop list then come from range lookups: tokens that start with a string (a range of the
     sorted texts), end with one (of the reversed), hold one (of the suffixes); and from one pass
     of the automaton over a stop for the tokens that are a piece of it. The ids are joined by
-    numpy. A query costs the log of the
-    vocabulary's size per string looked up plus the ids it finds, never a pass over the
-    vocabulary; no string longer than the longest text is looked up. :meth:`lookup` runs a stop
-    list never seen in a worker thread, off the caller's event loop."""
+    numpy. A query costs the log of the vocabulary's size per string looked up plus the ids it
+    finds, never a pass over the vocabulary; no string longer than the longest text is looked up.
+    :meth:`lookup` runs a stop list never seen in a worker thread, off the caller's event loop."""
 
     def __init__(self, texts: Sequence[str], cache_size: int = 256) -> None:
         self.texts = list(texts)
@@ -104,7 +103,6 @@ class PauseTokens:
         exact: dict[str, list[int]] = {}
         for i, t in enumerate(self.texts):
             exact.setdefault(t, []).append(i)
-        self._exact = {t: np.asarray(ids, dtype=np.int32) for t, ids in exact.items()}
         # every text, to find those a stop holds in one pass (pyahocorasick: a C automaton)
         self._automaton = ahocorasick.Automaton()
         for t, ids in exact.items():
