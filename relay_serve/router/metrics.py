@@ -50,9 +50,9 @@ class RouterMetrics:
         self.requests = tagged(
             m.Counter(
                 "relay_serve_requests_total",
-                description="Requests by model id and HTTP status (499: the client went away; model 'unknown': a body "
-                "with no known model).",
-                tag_keys=("app", "model", "status"),
+                description="Requests by model id and HTTP status (499: the client went away; model_id 'unknown': "
+                "a body with no known model).",
+                tag_keys=("app", "model_id", "status"),
             )
         )
         self.e2e = tagged(
@@ -60,7 +60,7 @@ class RouterMetrics:
                 "relay_serve_e2e_request_latency_seconds",
                 description="Seconds from a request's arrival at the router to its last token.",
                 boundaries=LATENCY_BUCKETS_S,
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.ttft = tagged(
@@ -68,7 +68,7 @@ class RouterMetrics:
                 "relay_serve_time_to_first_token_seconds",
                 description="Seconds from a streamed request's arrival to its first text (streamed requests only).",
                 boundaries=LATENCY_BUCKETS_S,
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.itl = tagged(
@@ -76,7 +76,7 @@ class RouterMetrics:
                 "relay_serve_inter_token_latency_seconds",
                 description="A streamed request's mean seconds between output tokens after the first.",
                 boundaries=TOKEN_LATENCY_BUCKETS_S,
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.switches = tagged(
@@ -84,7 +84,7 @@ class RouterMetrics:
                 "relay_serve_switches_per_request",
                 description="Switches between the large and the small model in a finished generation.",
                 boundaries=SWITCH_BUCKETS,
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.handoff = tagged(
@@ -100,7 +100,7 @@ class RouterMetrics:
             m.Counter(
                 "relay_serve_generated_tokens_total",
                 description="Output tokens of finished generations by the engine that wrote them (large, small).",
-                tag_keys=("app", "model", "engine"),
+                tag_keys=("app", "model_id", "engine"),
             )
         )
         self.degraded = tagged(
@@ -108,21 +108,21 @@ class RouterMetrics:
                 "relay_serve_degraded_requests_total",
                 description="Finished generations whose small-model work the large model wrote (small deployment "
                 "failed, unreachable or past its bound).",
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.kept_on_large = tagged(
             m.Counter(
                 "relay_serve_handoffs_kept_on_large_total",
                 description="Handoffs to the small model that the large model kept.",
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         self.retries = tagged(
             m.Counter(
                 "relay_serve_engine_retries_total",
                 description="Engine requests sent again after a replica failed.",
-                tag_keys=("app", "model"),
+                tag_keys=("app", "model_id"),
             )
         )
         # one series a router replica, whatever the number of versions published (a version label
@@ -171,9 +171,9 @@ class RouterMetrics:
 
     def request(self, model: str, status: int | str, e2e_s: float | None = None) -> None:
         """A request ended (any outcome); ``e2e_s`` for those that ran a generation."""
-        self.requests.inc(1, tags={"model": model, "status": str(status)})
+        self.requests.inc(1, tags={"model_id": model, "status": str(status)})
         if e2e_s is not None:
-            self.e2e.observe(e2e_s, tags={"model": model})
+            self.e2e.observe(e2e_s, tags={"model_id": model})
 
     def generation(
         self, model: str, result: GenerationResult, ttft_s: float | None = None, e2e_s: float | None = None
@@ -181,7 +181,7 @@ class RouterMetrics:
         """What a finished generation did: its tokens by engine, switches, handoffs, degradation,
         retries; for a streamed one its time to first token and inter-token latency."""
         u = result.usage
-        tags = {"model": model}
+        tags = {"model_id": model}
         for role, n in (("large", u.large_tokens), ("small", u.small_tokens)):
             if n:
                 self.tokens.inc(n, tags={**tags, "engine": role})

@@ -71,10 +71,10 @@ def test_each_request_is_counted_once_and_the_figures_add_up_to_the_responses():
     usages += [stream_usage(router, chat(seed=10 + i)) for i in range(2)]
     relay = [u["relay"] for u in usages]
 
-    assert m.requests.total(model="relay", status="200") == 5
+    assert m.requests.total(model_id="relay", status="200") == 5
     assert m.requests.total() == 5
-    assert len(m.e2e.samples(model="relay")) == 5
-    switches = m.switches.samples(model="relay")
+    assert len(m.e2e.samples(model_id="relay")) == 5
+    switches = m.switches.samples(model_id="relay")
     assert sorted(switches) == sorted(u["switches"] for u in relay) and sum(switches) > 0
     assert m.tokens.total(engine="large") == sum(u["large_tokens"] for u in relay)
     assert m.tokens.total(engine="small") == sum(u["small_tokens"] for u in relay)
@@ -84,7 +84,7 @@ def test_each_request_is_counted_once_and_the_figures_add_up_to_the_responses():
     assert len(handoffs) <= sum(u["switches"] for u in relay)
     assert max(handoffs) <= max(m.e2e.samples())
     # time to first token and inter-token latency: streamed requests only
-    assert len(m.ttft.samples(model="relay")) == 2 and len(m.itl.samples(model="relay")) == 2
+    assert len(m.ttft.samples(model_id="relay")) == 2 and len(m.itl.samples(model_id="relay")) == 2
     assert all(t <= e for t, e in zip(m.ttft.samples(), sorted(m.e2e.samples())[-2:], strict=False) if t > 0)
     assert m.cue_set.values[(("app", router.cfg.name),)] == 0  # the default set
     assert m.degraded.total() == 0 and m.retries.total() == 0
@@ -96,13 +96,13 @@ def test_rejected_requests_are_counted_with_their_status_and_a_bounded_model_lab
     assert call(router, "POST", "/v1/chat/completions", content=b"{not json").status_code == 400
     assert call(router, "POST", "/v1/chat/completions", chat(max_tokens=0)).status_code == 400
     assert call(router, "POST", "/v1/chat/completions", chat(model="large", relay_cues=["Thus,"])).status_code == 400
-    assert m.requests.total(model="unknown", status="400") == 2
-    assert m.requests.total(model="relay", status="400") == 1
-    assert m.requests.total(model="large", status="400") == 1
+    assert m.requests.total(model_id="unknown", status="400") == 2
+    assert m.requests.total(model_id="relay", status="400") == 1
+    assert m.requests.total(model_id="large", status="400") == 1
     assert not m.e2e.samples()  # no generation ran
     body = {"model": "small", "messages": [{"role": "user", "content": "x"}]}
     assert asyncio.run(router.handle_request({**body, "stream": True}))["status"] == 400
-    assert m.requests.total(model="small", status="400") == 1
+    assert m.requests.total(model_id="small", status="400") == 1
 
 
 def test_failures_degradation_and_retries_are_counted():
@@ -114,13 +114,13 @@ def test_failures_degradation_and_retries_are_counted():
     assert '"model_unavailable"' in stream_usage_failed.text
     r = call(router, "POST", "/v1/chat/completions", chat()).json()
     assert r["usage"]["relay"]["degraded"]
-    assert m.requests.total(model="small", status="503") == 2
-    assert m.degraded.total(model="relay") == 1
-    assert m.kept_on_large.total(model="relay") == r["usage"]["relay"]["kept_on_large"] > 0
+    assert m.requests.total(model_id="small", status="503") == 2
+    assert m.degraded.total(model_id="relay") == 1
+    assert m.kept_on_large.total(model_id="relay") == r["usage"]["relay"]["kept_on_large"] > 0
     backend.unavailable.clear()
     backend.faults.append(("large", 3))
     r = call(router, "POST", "/v1/chat/completions", chat(model="large")).json()
-    assert m.retries.total(model="large") == r["usage"]["relay"]["retries"] == 1
+    assert m.retries.total(model_id="large") == r["usage"]["relay"]["retries"] == 1
 
 
 def test_the_cue_set_gauge_follows_the_active_set_in_one_series_whatever_the_versions():

@@ -159,7 +159,7 @@ def test_prometheus_counts_exactly_what_the_responses_say(prometheus, metrics_ap
     assert switches > 0
     sel = f'app="{APP}"'
 
-    assert wait_for(prometheus, f'sum(relay_serve_requests_total{{{sel},model="relay",status="200"}})', n) == n
+    assert wait_for(prometheus, f'sum(relay_serve_requests_total{{{sel},model_id="relay",status="200"}})', n) == n
     assert scalar(prometheus, f"sum(relay_serve_requests_total{{{sel}}})") == n  # nothing else counted
     assert wait_for(prometheus, f"sum(relay_serve_switches_per_request_sum{{{sel}}})", switches) == switches
     assert scalar(prometheus, f"sum(relay_serve_switches_per_request_count{{{sel}}})") == n
