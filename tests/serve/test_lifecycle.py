@@ -79,7 +79,7 @@ def test_ready_means_ready_and_ctrl_c_stops_promptly(tmp_path):
 
 
 def exported_requests(url: str, expect: float, timeout_s: float = 60.0) -> float:
-    """relay_serve_requests_total{model="relay",status="200"} as Ray's metrics agent exports it
+    """relay_serve_requests_total{model_id="relay",status="200"} as Ray's metrics agent exports it
     (with Ray's ``ray_`` prefix), once it reaches ``expect`` or ``timeout_s`` passed."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,7 +91,7 @@ def exported_requests(url: str, expect: float, timeout_s: float = 60.0) -> float
             for family in text_string_to_metric_families(text)
             for s in family.samples
             if s.name == "ray_relay_serve_requests_total"
-            and s.labels.get("model") == "relay"
+            and s.labels.get("model_id") == "relay"
             and s.labels.get("status") == "200"
         )
         if n >= expect or time.time() > deadline:
