@@ -75,8 +75,8 @@ class PauseTokens:
     decoded text of token ``i`` alone).
 
     Built once per vocabulary (about 3 s for 151,936 texts here; a replica builds it at start-up):
-    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, the texts'
-    ids by text, and an Aho-Corasick automaton of the texts (pyahocorasick). The pause ids of a
+    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, and an
+    Aho-Corasick automaton of the texts that carries each text's ids (pyahocorasick). The pause ids of a
     stop list then come from range lookups: tokens that start with a string (a range of the
     sorted texts), end with one (of the reversed), hold one (of the suffixes); and from one pass
     of the automaton over a stop for the tokens that are a piece of it. The ids are joined by
