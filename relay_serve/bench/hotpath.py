@@ -265,7 +265,7 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
         index_ms.append((time.perf_counter() - t0) * 1e3)
         if k == 0:
             t0 = time.perf_counter()
-            scanned = scan_pause_ids(texts, stops, word_stops)
+            scanned = scan_pause_ids(texts, stops, word_stops, found.ahead)
             scan_ms = (time.perf_counter() - t0) * 1e3
             if scanned != found:
                 raise AssertionError(f"the index found {len(found)} pause ids and the scan {len(scanned)}")

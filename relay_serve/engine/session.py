@@ -141,7 +141,7 @@ class EngineSession:
             tail = (before[-longest - 1 :] + text[-longest - 1 :])[
                 -longest - 1 :
             ]  # all a stop's prefix and the character before it
-            lookahead = lookahead_stops(tail, stops, request.word_stops)
+            lookahead = lookahead_stops(tail, pause_ids.ahead, request.word_stops)
             feed = new[-1:]
         timing = {
             "cached_tokens": cached,

@@ -3,23 +3,28 @@
 vLLM's resumable requests (streaming input) refuse stop strings: a request pauses only after a
 stop token id, EOS or its ``max_tokens``. A stop string ``S`` first occurs in the generated text
 when some token ``t`` is appended; then ``t``'s text holds all of ``S``, or the text before ``t``
-ends with a non-empty proper prefix ``S[:j]`` and ``t``'s text starts with the rest ``S[j:]``.
-A request that pauses on every token that can do either sees every stop exactly where vLLM's
-stop-string check would: at the token that completes it. There are two ways to catch the second
-case, and each stop string takes the one that pauses less:
+ends with a non-empty proper prefix ``S[:j]`` and ``t``'s text starts with the rest ``S[j:]`` (the
+*split* ``j``; only splits whose rest is no longer than the longest token text can happen). A
+request that pauses on every token that can do either sees every stop exactly where vLLM's
+stop-string check would: at the token that completes it. Each split is caught one of two ways,
+whichever pauses on fewer tokens of the vocabulary:
 
-- *completion*: pause on the tokens that start with a rest ``S[j:]`` (for ``"</answer>"``: those
-  starting with ``">"``, ``"r>"``, ...). For a stop ending in white space (``". "``) that is most
-  of the vocabulary, and for a cue (``"Thus,"``) every comma;
-- *look-ahead*: pause on the tokens that can end a proper prefix (their text ends with ``S[:j]``,
-  or is exactly ``S[i:j]`` for a prefix spread over several tokens), and whenever the text does end
-  with one, generate one token more (``max_tokens`` 1) and look again. Stops ending in white space
-  and *word stops* take this way. A word stop (a cue) counts only at a word start, so its prefix
-  must start a word too: ``"so "`` pauses after ``" so"``, never after ``"also"``.
+- *completion*: pause on the tokens that start with the rest ``S[j:]``. For ``"word, "`` at
+  ``j = 1`` that is the few tokens starting with ``"ord, "``; at ``j = 5`` it would be every token
+  starting with a space, most of the vocabulary;
+- *look-ahead*: pause on the tokens that can end the prefix ``S[:j]`` (their text ends with it, or
+  is exactly ``S[i:j]`` for a prefix spread over several tokens), and whenever the text does end
+  with it, generate one token more (``max_tokens`` 1) and look again. A look-ahead that fires
+  costs two pauses, so a split is looked ahead only where the tokens that end its prefix are
+  fewer than half of those that start its rest. A *word stop* (a cue) counts only at a word start,
+  so its prefix must start a word too: ``"so "`` looks ahead after ``" so"``, never after
+  ``"also"``.
 
-Every pause that stops nothing costs a round trip (a decode step for that request when the engine
-is busy). :class:`PauseTokens` finds the pause token ids in an index of the vocabulary's texts;
-:func:`first_stop` and :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
+The splits looked ahead are part of a stop list's pause ids (``PauseIds.ahead``): the check at a
+pause (:func:`lookahead_stops`) looks ahead for those and no others. Every pause that stops nothing
+costs a round trip (a decode step for that request when the engine is busy). :class:`PauseTokens`
+finds the pause token ids in an index of the vocabulary's texts; :func:`first_stop` and
+:func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence, Set
+from collections.abc import Collection, Iterator, Mapping, Sequence, Set
+from itertools import groupby
 
 import ahocorasick
 import numpy as np
@@ -37,19 +43,17 @@ import numpy as np
 from relay_serve.relay.text import is_word_char
 
 
-def ends_with_space(stop: str) -> bool:
-    return stop[-1:].isspace()
-
-
 class PauseIds(Set[int]):
     """The pause token ids of one stop list: sorted once (``ordered``, what vLLM's
     ``stop_token_ids`` takes), looked up by bisection; a set, so it compares equal to any set of
-    the same ids."""
+    the same ids. ``ahead``: for each stop with splits caught by looking ahead, those splits (the
+    lengths of the prefixes after which one more token is generated)."""
 
-    __slots__ = ("ordered",)
+    __slots__ = ("ordered", "ahead")
 
-    def __init__(self, ordered: list[int]) -> None:
+    def __init__(self, ordered: list[int], ahead: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.ordered = ordered
+        self.ahead: Mapping[str, tuple[int, ...]] = ahead or {}
 
     def __contains__(self, token_id: object) -> bool:
         if not isinstance(token_id, int):
@@ -103,15 +107,23 @@ class PauseTokens:
         exact: dict[str, list[int]] = {}
         for i, t in enumerate(self.texts):
             exact.setdefault(t, []).append(i)
-        # every text, to find those a stop holds in one pass (pyahocorasick: a C automaton)
+        # every text, to find those a stop holds in one pass (pyahocorasick: a C automaton); a text's
+        # value is its first id, the others of a text that several tokens decode to are in _same_text
         self._automaton = ahocorasick.Automaton()
+        self._same_text: dict[int, list[int]] = {}
         for t, ids in exact.items():
             if t:
-                self._automaton.add_word(t, (len(t), tuple(ids)))
+                self._automaton.add_word(t, ids[0])
+                if len(ids) > 1:
+                    self._same_text[ids[0]] = ids[1:]
         self._automaton.make_automaton()  # a vocabulary of empty texts only: no automaton (kind EMPTY)
         self._partial = np.array(
             [i for i, t in enumerate(self.texts) if "\ufffd" in t], dtype=np.int32
         )  # pieces of a multi-byte character
+        # every id as a Python int, made once: a list of tens of thousands of pause ids is then references
+        # to them (no int made, none freed with the list)
+        self._id_objects = np.empty(len(self.texts), dtype=object)
+        self._id_objects[:] = range(len(self.texts))
         self._cache: OrderedDict[tuple[tuple[str, ...], frozenset[str]], PauseIds] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -146,52 +158,61 @@ class PauseTokens:
         if not stops:
             return NO_PAUSES
         parts: list[np.ndarray] = []
-        pieces: set[int] = set()  # ids of tokens that are a piece of a stop
+        pieces: list[int] = []  # ids of tokens that are a piece of a stop's prefix (a text's first id)
+        ahead: dict[str, tuple[int, ...]] = {}
         n = self._longest
+        starting, ending = self._prefixes, self._reversed
         for s in stops:
             if len(s) <= n:
                 parts.append(self._suffixes.starting_with(s))  # tokens that hold the whole stop
-            if _looks_ahead(s, word_stops):
-                at_word_start = s in word_stops and is_word_char(s[0])  # a word stop's prefix must start a word
-                lead = _word_tail(s[::-1])  # how many word characters the stop starts with
-                for j in range(1, min(len(s), n + 1)):
+            at_word_start = s in word_stops and is_word_char(s[0])  # a word stop's prefix must start a word
+            lead = _word_tail(s[::-1])  # how many word characters the stop starts with
+            splits: list[int] = []
+            for j in range(max(1, len(s) - n), len(s)):  # the splits a token can complete
+                lo, hi = starting.range_of(s[j:])  # tokens that start with the rest
+                end_lo, end_hi = ending.range_of(s[j - 1 :: -1]) if j <= n else (0, 0)  # that end the prefix
+                if 2 * (end_hi - end_lo) >= hi - lo:  # completion: pauses on fewer tokens
+                    if hi > lo:
+                        parts.append(starting.ids[lo:hi])
+                    continue
+                splits.append(j)
+                if end_hi == end_lo:
+                    continue
+                ends = ending.ids[end_lo:end_hi]
+                if not at_word_start:
+                    parts.append(ends)
+                elif j <= lead:  # the prefix is all word characters: no word character before it
+                    parts.append(ends[self._tail_word[ends] == j])
+                else:
                     prefix = s[:j]
-                    # tokens that end a proper prefix (where it starts a word, for a word stop's)
-                    ending = self._reversed.starting_with(prefix[::-1])
-                    if not at_word_start:
-                        parts.append(ending)
-                    elif j <= lead:  # the prefix is all word characters: no word character before it
-                        parts.append(ending[self._tail_word[ending] == j])
-                    else:
-                        parts.append(
-                            np.array(
-                                [i for i in ending.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32
-                            )
-                        )
-                self._pieces(s, pieces)  # tokens that are exactly a piece of a prefix spread over several
-            else:
-                for j in range(max(1, len(s) - n), len(s)):  # tokens that start with the rest of a proper prefix
-                    parts.append(self._prefixes.starting_with(s[j:]))
+                    parts.append(
+                        np.array([i for i in ends.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32)
+                    )
+            if splits:
+                ahead[s] = tuple(splits)
+                # tokens that are exactly a piece of a prefix spread over several
+                pieces += self._pieces(s, frozenset(splits))
         if pieces:
-            parts.append(np.fromiter(pieces, dtype=np.int32, count=len(pieces)))
+            parts.append(np.array(pieces, dtype=np.int32))
+            if self._same_text:  # the other tokens of those texts
+                parts.extend(np.array(self._same_text[i], dtype=np.int32) for i in self._same_text.keys() & pieces)
         if any(not s.isascii() for s in stops):
             parts.append(self._partial)
         if not parts:
-            return NO_PAUSES
+            return PauseIds([], ahead)
         marked = np.zeros(len(self.texts), dtype=bool)  # 152 kB for Qwen3: set in C, faster than a sort or a hash
         marked[np.concatenate(parts)] = True
-        return PauseIds(np.flatnonzero(marked).tolist())
+        return PauseIds(self._id_objects[np.flatnonzero(marked)].tolist(), ahead)
 
-    def _pieces(self, stop: str, found: set[int]) -> None:
-        """Add to ``found`` the ids of the tokens whose whole text is some ``stop[i:j]`` (1 <= i <
-        j < len(stop)): one pass of the texts' Aho-Corasick automaton over the stop (every
-        occurrence of every text in it), in C."""
+    def _pieces(self, stop: str, splits: Collection[int]) -> list[int]:
+        """The first ids of the texts that are some ``stop[i:j]`` (1 <= i < j, ``j`` one of
+        ``splits``): one pass of the texts' Aho-Corasick automaton (in C) over the part of the stop
+        where such pieces can be (from the longest text's length before the first split to the
+        last), every occurrence of every text in it kept where it ends a split's prefix."""
         if self._automaton.kind != ahocorasick.AHOCORASICK:
-            return  # no text to find
-        last = len(stop) - 2  # a piece ends before the stop's last character
-        for end, (length, ids) in self._automaton.iter(stop):
-            if length <= end <= last:  # starts at 1 or later
-                found.update(ids)
+            return []  # no text to find
+        start, end = max(1, min(splits) - self._longest), max(splits)
+        return [first for last, first in self._automaton.iter(stop, start, end) if last + 1 in splits]
 
 
 def _word_tail(text: str) -> int:
@@ -202,39 +223,54 @@ def _word_tail(text: str) -> int:
     return n
 
 
-SHORT = 5  # the prefixes up to this long of every key are in a set: most lookups end there
+SHORT = 5  # the ranges of the keys that start with each string of up to this many characters are in a dict
 
 
 class _Sorted:
     """The ids of tokens sorted by a string of each, for the ids whose string starts with a given
-    one (a list of the strings in order, searched by C bisection). Every key's prefixes of up to
-    ``SHORT`` characters are in a set (about 100,000 for 151,936 keys), so most strings no key
-    starts with are turned away by a hash lookup, not a bisection."""
+    one (a list of the strings in order). The range of the keys that start with each key's prefix
+    of up to ``SHORT`` characters is in a dict (about 100,000 entries for 151,936 keys): a string
+    of up to ``SHORT`` characters is one hash lookup, a longer one a C bisection within the range
+    of its first ``SHORT`` characters, and a string no key starts with is mostly turned away by the
+    hash lookup."""
 
     def __init__(self, keys: Sequence[str], ids: Sequence[int]) -> None:
         order = sorted(ids, key=keys.__getitem__)
         self.keys = [keys[i] for i in order]
         self.ids = np.asarray(order, dtype=np.int32)
-        self.short = frozenset(k[:j] for k in self.keys for j in range(1, min(len(k), SHORT) + 1))
+        self.short: dict[str, tuple[int, int]] = {}
+        for pos, k in enumerate(self.keys):  # the keys that share a prefix are adjacent
+            for j in range(1, min(len(k), SHORT) + 1):
+                lo, _ = self.short.get(k[:j], (pos, pos))
+                self.short[k[:j]] = (lo, pos + 1)
 
     def range_of(self, prefix: str) -> tuple[int, int]:
         """The positions ``lo:hi`` of the keys that start with ``prefix`` (empty: none does)."""
-        if prefix[:SHORT] not in self.short:
+        within = self.short.get(prefix[:SHORT])
+        if within is None:
             return 0, 0
-        lo = bisect_left(self.keys, prefix)
-        if lo == len(self.keys) or not self.keys[lo].startswith(prefix):
+        if len(prefix) <= SHORT:
+            return within
+        start, end = within
+        lo = bisect_left(self.keys, prefix, start, end)
+        if lo == end or not self.keys[lo].startswith(prefix):
             return 0, 0
         after = _after_all_starting_with(prefix)
-        return lo, bisect_left(self.keys, after, lo) if after is not None else len(self.keys)
+        return lo, bisect_left(self.keys, after, lo, end) if after is not None else end
 
     def starting_with(self, prefix: str) -> np.ndarray:
         lo, hi = self.range_of(prefix)
         return self.ids[lo:hi]
 
 
+LEAD = 3  # the suffixes are grouped by their first characters, up to this many
+
+
 class _SortedSuffixes:
     """The (token id, offset) pairs of every suffix ``keys[id][offset:]``, sorted by it (a key
-    function: the suffixes are not stored as strings)."""
+    function: the suffixes are not stored as strings). The range of the suffixes that start with
+    each string of ``LEAD`` characters (or are that string, if shorter) is in a dict (about 24,000
+    entries for Qwen3's size): a lookup bisects within it."""
 
     def __init__(self, keys: Sequence[str], ids: np.ndarray, offsets: np.ndarray) -> None:
         self._keys = keys
@@ -242,15 +278,26 @@ class _SortedSuffixes:
         order = sorted(range(len(ids)), key=lambda n: keys[id_list[n]][offset_list[n] :])
         self.ids, self.offsets = ids[order], offsets[order]
         self._ids_list, self._offsets_list = array("i", self.ids.tobytes()), array("i", self.offsets.tobytes())
+        self._lead: dict[str, tuple[int, int]] = {}
+        pos = 0
+        leads = (keys[i][o : o + LEAD] for i, o in zip(self._ids_list, self._offsets_list, strict=True))
+        for lead, group in groupby(leads):
+            n = sum(1 for _ in group)
+            self._lead[lead] = (pos, pos + n)
+            pos += n
 
     def _key(self, n: int) -> str:
         return self._keys[self._ids_list[n]][self._offsets_list[n] :]
 
     def starting_with(self, prefix: str) -> np.ndarray:
+        if len(prefix) >= LEAD:  # every suffix that starts with it starts with its first LEAD characters
+            start, end = self._lead.get(prefix[:LEAD], (0, 0))
+        else:
+            start, end = 0, len(self._ids_list)
         positions = range(len(self._ids_list))
-        lo = bisect_left(positions, prefix, key=self._key)
+        lo = bisect_left(positions, prefix, start, end, key=self._key)
         after = _after_all_starting_with(prefix)
-        hi = bisect_left(positions, after, lo, key=self._key) if after is not None else len(positions)
+        hi = bisect_left(positions, after, lo, end, key=self._key) if after is not None else end
         return self.ids[lo:hi]
 
 
@@ -262,21 +309,27 @@ def _after_all_starting_with(prefix: str) -> str | None:
 
 
 def scan_pause_ids(
-    texts: Sequence[str], stops: tuple[str, ...], word_stops: Collection[str] = frozenset()
+    texts: Sequence[str],
+    stops: tuple[str, ...],
+    word_stops: Collection[str] = frozenset(),
+    ahead: Mapping[str, Collection[int]] | None = None,
 ) -> frozenset[int]:
-    """The pause ids by a pass over every token text: what :class:`PauseTokens` replaced, kept as
-    the reference its cost is measured against (``python -m relay_serve.bench.hotpath``)."""
+    """The pause ids by a pass over every token text, the splits in ``ahead`` looked ahead and the
+    others completed: what :class:`PauseTokens` replaced, kept as the reference its cost is
+    measured against (``python -m relay_serve.bench.hotpath``)."""
+    ahead = ahead or {}
     starts: set[str] = set()
     ends: dict[str, bool] = {}
     inner: set[str] = set()
     for s in stops:
-        if _looks_ahead(s, word_stops):
-            at_word_start = s in word_stops and is_word_char(s[0])
-            for j in range(1, len(s)):
+        looked = set(ahead.get(s, ()))
+        at_word_start = s in word_stops and is_word_char(s[0])
+        for j in range(1, len(s)):
+            if j in looked:
                 ends[s[:j]] = ends.get(s[:j], True) and at_word_start
                 inner.update(s[i:j] for i in range(1, j))
-        else:
-            starts.update(s[j:] for j in range(1, len(s)))
+            else:
+                starts.add(s[j:])
     non_ascii = any(not s.isascii() for s in stops)
     return frozenset(
         tid
@@ -290,10 +343,6 @@ def scan_pause_ids(
             or (non_ascii and "\ufffd" in text)
         )
     )
-
-
-def _looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
-    return ends_with_space(stop) or stop in word_stops
 
 
 def _ends_with(text: str, prefix: str, word_start: bool) -> bool:
@@ -318,16 +367,12 @@ def first_stop(
     return None
 
 
-def lookahead_stops(text: str, stops: Sequence[str], word_stops: Collection[str] = (), before: str = "") -> bool:
-    """Whether ``text`` ends with a non-empty proper prefix of a stop string caught by looking
-    ahead (one ending in white space, or a word stop whose prefix starts a word): the next token
-    must be seen."""
-    full = before + text
-    for s in stops:
-        if not _looks_ahead(s, word_stops):
-            continue
+def lookahead_stops(text: str, ahead: Mapping[str, Collection[int]], word_stops: Collection[str] = ()) -> bool:
+    """Whether ``text`` ends with the prefix of a split looked ahead (``ahead``: a stop's splits,
+    as ``PauseIds.ahead``), at a word start for a word stop: the next token must be seen."""
+    for s, splits in ahead.items():
         at_word_start = s in word_stops and is_word_char(s[0])
-        for j in range(1, len(s)):
-            if full.endswith(s[:j]) and (not at_word_start or not is_word_char(full[-j - 1 : -j] or " ")):
+        for j in splits:
+            if text.endswith(s[:j]) and (not at_word_start or not is_word_char(text[-j - 1 : -j] or " ")):
                 return True
     return False

@@ -1,6 +1,8 @@
 """Pause token ids come from an index of the vocabulary, and are exactly what a scan of every token
 text against the rules finds (the oracle below applies the rules of engine/stops.py's docstring to
-one token at a time), on random vocabularies and stop lists and on a vocabulary of Qwen3's size."""
+one token at a time, for the splits the index chose to look ahead), on random vocabularies and stop
+lists and on a vocabulary of Qwen3's size. That any choice of splits finds every stop where vLLM
+would is tests/engine/test_session.py's ``test_stops_agree_with_vllm_stop_strings``."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ def _word_char(ch: str) -> bool:
     return ch.isalnum() or ch == "_"
 
 
-def must_pause(text: str, stops: tuple[str, ...], word_stops: frozenset[str]) -> bool:
-    """Whether a request with these stops must pause after a token whose text alone is ``text``."""
+def must_pause(text: str, stops: tuple[str, ...], word_stops: frozenset[str], ahead) -> bool:
+    """Whether a request with these stops must pause after a token whose text alone is ``text``,
+    when the splits ``ahead[s]`` of each stop ``s`` are caught by looking ahead and the others by
+    completion."""
     if not text:
         return False
     if any(not s.isascii() for s in stops) and "\ufffd" in text:
@@ -26,22 +30,39 @@ def must_pause(text: str, stops: tuple[str, ...], word_stops: frozenset[str]) ->
     for s in stops:
         if s in text:
             return True  # it completes a stop on its own
-        if s[-1].isspace() or s in word_stops:  # caught by looking one token ahead
-            word = s in word_stops and _word_char(s[0])
-            for j in range(1, len(s)):
+        word = s in word_stops and _word_char(s[0])
+        for j in range(1, len(s)):
+            if j in ahead.get(s, ()):  # caught by looking one token ahead
                 head = s[:j]
                 before = text[: len(text) - j]
                 if text.endswith(head) and not (word and before and _word_char(before[-1])):
                     return True  # it may end the start of the stop
                 if any(text == s[i:j] for i in range(1, j)):
                     return True  # it may continue a start spread over several tokens
-        elif any(text.startswith(s[j:]) for j in range(1, len(s))):
-            return True  # it may complete a stop begun before it
+            elif text.startswith(s[j:]):
+                return True  # it may complete a stop begun before it
     return False
 
 
-def scan(texts, stops, word_stops=frozenset()) -> frozenset[int]:
-    return frozenset(i for i, t in enumerate(texts) if must_pause(t, stops, word_stops))
+def scan(texts, stops, word_stops=frozenset(), ahead=None) -> frozenset[int]:
+    return frozenset(i for i, t in enumerate(texts) if must_pause(t, stops, word_stops, ahead or {}))
+
+
+def found_and_scanned(pauses: PauseTokens, texts, stops, word_stops):
+    """The index's pause ids, and the scan's for the splits the index looked ahead, which must be
+    those where fewer than half as many texts end with the prefix as start with the rest."""
+    found = pauses.ids(stops, word_stops)
+    longest = max(map(len, texts))
+    for s in stops:
+        chosen = [
+            j
+            for j in range(1, len(s))
+            if len(s) - j <= longest
+            and 2 * sum(t.endswith(s[:j]) for t in texts if t) < sum(t.startswith(s[j:]) for t in texts)
+        ]
+        assert list(found.ahead.get(s, ())) == chosen, s
+    assert set(found.ahead) <= set(stops)
+    return found, scan(texts, stops, word_stops, found.ahead)
 
 
 ALPHABET = "ab ,.\nTh\ufffdé_"
@@ -57,9 +78,9 @@ stop_st = st.text(alphabet=ALPHABET, min_size=1, max_size=6)
 )
 def test_the_index_finds_what_a_scan_finds(texts, stops, word):
     word_stops = frozenset(s for s, w in zip(stops, word, strict=False) if w)
-    expected = scan(texts, tuple(stops), word_stops)
-    assert PauseTokens(texts).ids(tuple(stops), word_stops) == expected
-    assert scan_pause_ids(texts, tuple(stops), word_stops) == expected  # the reference the bench measures against
+    found, expected = found_and_scanned(PauseTokens(texts), texts, tuple(stops), word_stops)
+    assert found == expected
+    assert scan_pause_ids(texts, tuple(stops), word_stops, found.ahead) == expected  # the bench's reference
 
 
 long_text = st.text(alphabet="ab ,", min_size=6, max_size=11)
@@ -84,7 +105,8 @@ def test_the_index_finds_what_a_scan_finds_with_long_tokens_and_stops(texts, inn
     texts = texts + inner
     stops = tuple(head + t + tail + ("" if w else " ") for t, (head, tail), w in zip(inner, around, word, strict=False))
     word_stops = frozenset(s for s, w in zip(stops, word, strict=False) if w)
-    assert PauseTokens(texts).ids(stops, word_stops) == scan(texts, stops, word_stops)
+    found, expected = found_and_scanned(PauseTokens(texts), texts, stops, word_stops)
+    assert found == expected
 
 
 def test_a_vocabulary_of_qwen3s_size_is_shaped_like_a_byte_level_bpe():
@@ -113,7 +135,8 @@ def test_on_a_vocabulary_of_qwen3s_size_too():
         (("é.", "中文", "</answer>"), frozenset()),
     ]
     for stops, word_stops in cases:
-        assert pauses.ids(stops, word_stops) == scan(texts, stops, word_stops), stops
+        found, expected = found_and_scanned(pauses, texts, stops, word_stops)
+        assert found == expected, stops
 
 
 def test_a_stop_list_never_seen_is_found_off_the_event_loop_and_then_cached():
@@ -138,13 +161,14 @@ def test_a_stop_list_never_seen_is_found_off_the_event_loop_and_then_cached():
 
     first, again = asyncio.run(main())
     assert first is again and len(threads) == 1 and threads[0] is not threading.main_thread()
-    assert first == scan(texts, ("Thus,",), frozenset({"Thus,"}))
+    assert first == scan(texts, ("Thus,",), frozenset({"Thus,"}), first.ahead)
 
 
 def test_pause_ids_are_a_sorted_set():
-    texts = ["x", ",", "a,", "b", "c,", ", "]
-    found = PauseTokens(texts).ids((", ",))
-    assert found.ordered == sorted(found) and found == frozenset(found.ordered) == scan(texts, (", ",))
+    texts = ["x", ",", "a,", " b", "c,", ", ", " d", " e", " f", " g", " h", " i"]
+    found = PauseTokens(texts).ids((", ",))  # more tokens start with " " than twice those ending ",": look ahead
+    assert found.ordered == [1, 2, 4, 5] and found.ahead == {", ": (1,)}
+    assert found == frozenset(found.ordered) == scan(texts, (", ",), ahead=found.ahead)
     assert 1 in found and 3 not in found and "1" not in found and len(found) == len(set(found))
     assert PauseTokens(texts).ids(()) == frozenset()
 
@@ -154,3 +178,18 @@ def test_the_cache_keeps_the_newest_lists():
     for stops in (("a",), ("b",), ("ab",)):
         pauses.ids(stops)
     assert list(pauses._cache) == [(("b",), frozenset()), (("ab",), frozenset())]
+
+
+def test_a_split_is_caught_the_way_that_pauses_on_fewer_tokens():
+    """Stops like a client's ``"word, "``: a look-ahead at every split would pause after every
+    token that ends with the word's first letter; completing the early splits (the few tokens that
+    start with ``"ord, "``) and looking ahead at the late ones (after ``"word,"``, not before every
+    token that starts with a space) pauses on far fewer."""
+    texts = synthetic_vocab()
+    pauses = PauseTokens(texts)
+    words = [t.strip() for t in random.Random(3).sample(texts[1000:-100], 12)]
+    stops = tuple(w + ", " for w in words)
+    found = pauses.ids(stops)
+    every_split_ahead = {s: range(1, len(s)) for s in stops}
+    assert len(found) * 5 < len(scan_pause_ids(texts, stops, ahead=every_split_ahead))
+    assert all(js[-1] == len(s) - 1 for s, js in found.ahead.items())  # the split before the space is looked ahead

@@ -54,19 +54,29 @@ async def collect(session, req, stream: bool = False):
 
 
 def test_pause_tokens_cover_every_way_to_complete_a_stop():
-    texts = ["Th", "us", ",", "Thus", "x,", "Thus,", "The", "h", "us,", ", we", "so", ".", " the", "\n"]
+    texts = ["Th", "us", ",", "Thus", "x,", "Thus,", "The", "h", "us,", ", we", "so", ".", " the", "\n", " a", " b"]
     pauses = PauseTokens(texts)
-    # "Thus,": tokens that start with the rest of a prefix (",", "us,", ", we") or hold it all
-    assert {texts[i] for i in pauses.ids(("Thus,",))} == {",", "Thus,", "us,", ", we"}
-    # ". " ends in white space (completed by most tokens): tokens that end a prefix, and a look-ahead
-    assert {texts[i] for i in pauses.ids((". ",))} == {"."}
-    assert {texts[i] for i in pauses.ids(("so ",))} == {"so", "Thus", "us"}  # any token ending in "s" or "so"
-    assert {texts[i] for i in pauses.ids(("so ",), frozenset({"so "}))} == {"so"}  # ...at a word start
-    # a cue (word stop) pauses where its word ends, not on every comma; pieces of it pause too
-    assert {texts[i] for i in pauses.ids(("Thus,",), frozenset({"Thus,"}))} == {"Th", "Thus", "Thus,", "us", "h"}
+
+    def paused(stops, word_stops=frozenset()):
+        found = pauses.ids(stops, word_stops)
+        return {texts[i] for i in found}, dict(found.ahead)
+
+    # "Thus,": tokens that start with the rest of a split (",", "us,", ", we") or hold it all; at
+    # j = 4 one token ends "Thus" and three start with ",": completion still pauses on fewer than
+    # twice as many
+    assert paused(("Thus,",)) == ({",", "Thus,", "us,", ", we"}, {})
+    # ". " ends in white space (three tokens start with " ", one ends "."): the token that ends the prefix, and a
+    # look-ahead
+    assert paused((". ",)) == ({"."}, {". ": (1,)})
+    # "so ": "o " starts no token (completion at j = 1: no pause); one token ends "so", three start with " "
+    assert paused(("so ",)) == ({"so"}, {"so ": (2,)})
+    # a cue (word stop) completes where that pauses on fewer tokens: at "Thus" more end it than start ","
+    assert paused(("Thus,",), frozenset({"Thus,"})) == ({",", "Thus,", "us,", ", we"}, {})
     assert first_stop("a Thus, b. c", ["b.", "Thus,"]) == (10, "b.")  # list order, as vLLM
-    assert lookahead_stops("so b.", [". "]) and not lookahead_stops("so Th", ["Thus,"])
-    assert lookahead_stops("so Th", ["Thus,"], ["Thus,"]) and not lookahead_stops("so xTh", ["Thus,"], ["Thus,"])
+    assert lookahead_stops("so b.", {". ": (1,)}) and not lookahead_stops("so Th", {"Thus,": (1,)})
+    assert not lookahead_stops("so b.", {". ": ()}) and not lookahead_stops("so Th", {})
+    assert lookahead_stops("so Th", {"Thus,": (2,)}, ["Thus,"])
+    assert not lookahead_stops("so xTh", {"Thus,": (2,)}, ["Thus,"])  # a word stop's prefix starts a word
 
 
 def test_a_word_stop_counts_only_at_a_word_start():
@@ -87,13 +97,17 @@ def test_a_cue_stops_the_segment_where_a_stop_string_would():
     assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode(",")]  # the paused-on token fed again
 
 
-def test_a_cue_pauses_where_its_word_ends_and_looks_one_token_ahead():
+def test_a_stop_ending_in_white_space_looks_one_token_ahead():
+    """ "Thus, " as a word stop: most tokens start with its last character, none ends "Thus,", and
+    the "," is a piece of it: the request pauses on every ",", and looks one token ahead where the
+    text ends with "Thus," at a word start."""
     codec, engine, session = setup()
-    out = asyncio.run(collect(session, request(codec, PROMPT, ["Thus,", "Wait,"], word_stops=["Thus,", "Wait,"])))
+    out = asyncio.run(collect(session, request(codec, PROMPT, ["Thus, "], word_stops=["Thus, "])))
     (last,) = out
-    assert last.stop_reason == "Thus," and codec.decode(last.token_ids) == "First, b3 -> c12.\n\nThus,"
-    assert last.pauses == 1  # at "Thus" (no pause on the "," of "First,"); the look-ahead token completed it
-    assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode("Thus")]
+    assert last.stop_reason == "Thus, " and codec.decode(last.token_ids) == "First, b3 -> c12.\n\nThus, we"
+    assert last.pauses == 2  # at the "," of "First," (no look-ahead) and of "Thus," (then one token ahead)
+    assert engine.requests[0].feeds == [codec.encode(PROMPT), codec.encode(","), codec.encode(",")]
+    assert session.pauses.ids(("Thus, ",), frozenset({"Thus, "})).ahead == {"Thus, ": (5,)}
 
 
 def test_the_next_segment_feeds_only_what_is_new():
