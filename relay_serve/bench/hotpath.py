@@ -17,8 +17,10 @@ spell of a shared machine hits them alike, so their ratios hold).
 Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
 ``relay_cues`` can make), against the scan of every token text that the index replaced, and of a
-list of 16 stops of 64 characters. A replica finds a list it has not seen in a worker thread, off
-its event loop (``PauseTokens.lookup``).
+list of 16 stops of 64 characters, and how many tokens pause for each. A replica finds a list it
+has not seen in a worker thread, off its event loop (``PauseTokens.lookup``). Last, a full
+collection of the process, with what the replicas' start-up built frozen (as ``ModelServer`` leaves
+it) and unfrozen.
 
 The router tokenizes a request's prompt once; a long one (``OFF_LOOP_PROMPT_CHARS``) in a worker
 thread, off its event loop and so outside the router thread's CPU measured here: what it costs is
@@ -27,7 +29,8 @@ reported apart (``prompt_tokenize_ms``, the prompt's ``encode`` timed alone).
 With ``--json`` the last line is ``{"vocab_size", "index_build_s", "pause_ids_ms",
 "pause_ids_scan_ms", "pause_ids_64_chars_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
 "replica_cpu_ms_per_segment": {...}, "router_cpu_us_per_token": {...},
-"replica_cpu_us_per_token": {...}, "switches_per_request": {...}, "prompt_tokenize_ms": {...}}``.
+"replica_cpu_us_per_token": {...}, "switches_per_request": {...}, "prompt_tokenize_ms": {...},
+"pause_ids_count", "pause_ids_64_chars_count", "full_collection_ms": {"frozen", "unfrozen"}}``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class HotpathReport(BaseModel):
     replica_cpu_us_per_token: dict[str, float]
     switches_per_request: dict[str, float]
     prompt_tokenize_ms: dict[str, float]
+    pause_ids_count: int
+    pause_ids_64_chars_count: int
+    full_collection_ms: dict[str, float]
 
 
 # ---- the stand-in engine ---------------------------------------------------------------------
@@ -245,11 +251,11 @@ def make_trace(codec, context_tokens: int, tokens: int, seed: int = 0) -> tuple[
 # ---- the measurement -----------------------------------------------------------------------------
 
 
-def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, float, float]:
+def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, float, float, int, int]:
     """Index build time (s); the pause ids of a never-seen list of 16 stops by the index (ms, the
     median of ``lists`` such lists) and by a scan of every text (ms, the first list, whose ids
     must be the index's); those of a never-seen list of 16 stops of 64 characters (ms, the median
-    of ``lists``)."""
+    of ``lists``); how many tokens pause for each kind of list (the median)."""
     from relay_serve.engine.stops import PauseTokens, scan_pause_ids
 
     t0 = time.perf_counter()
@@ -257,12 +263,13 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
     build_s = time.perf_counter() - t0
     rng = random.Random(1)
     word_stops = frozenset(CUES)
-    index_ms, long_ms = [], []
+    index_ms, long_ms, counts, long_counts = [], [], [], []
     for k in range(lists):
         stops = tuple(rng.choice(texts[1000:-100]).strip() + ", " for _ in range(12)) + CUES
         t0 = time.perf_counter()
         found = pauses.ids(stops, word_stops)
         index_ms.append((time.perf_counter() - t0) * 1e3)
+        counts.append(len(found))
         if k == 0:
             t0 = time.perf_counter()
             scanned = scan_pause_ids(texts, stops, word_stops, found.ahead)
@@ -278,9 +285,33 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
             for k in range(16)
         )
         t0 = time.perf_counter()
-        pauses.ids(long)
+        long_counts.append(len(pauses.ids(long)))
         long_ms.append((time.perf_counter() - t0) * 1e3)
-    return build_s, statistics.median(index_ms), scan_ms, statistics.median(long_ms)
+    return (
+        build_s,
+        statistics.median(index_ms),
+        scan_ms,
+        statistics.median(long_ms),
+        int(statistics.median(counts)),
+        int(statistics.median(long_counts)),
+    )
+
+
+def full_collection_ms() -> dict[str, float]:
+    """A full collection of this process (which holds vLLM's modules and two replicas' pause
+    indexes, as replica processes do) with what the replicas' start-up built frozen, as a
+    ``ModelServer`` leaves it, and unfrozen (ms); the run's garbage is collected first."""
+    import gc
+
+    gc.collect()
+    t0 = time.perf_counter()
+    gc.collect()
+    frozen = (time.perf_counter() - t0) * 1e3
+    gc.unfreeze()
+    t0 = time.perf_counter()
+    gc.collect()
+    unfrozen = (time.perf_counter() - t0) * 1e3
+    return {"frozen": round(frozen, 1), "unfrozen": round(unfrozen, 1)}
 
 
 def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
@@ -293,11 +324,10 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
     from relay_serve.toy.vocab import synthetic_vocab, write_tokenizer
 
     texts = list(synthetic_vocab())
-    build_s, index_ms, scan_ms, long_ms = pause_ids_cost(texts)
+    build_s, index_ms, scan_ms, long_ms, count, long_count = pause_ids_cost(texts)
     progress(
         f"pause-token index: built in {build_s:.2f} s; a new list of 16 stops {index_ms:.2f} ms (a scan: {scan_ms:.0f} "
-        "ms); "
-        f"of 16 stops of 64 characters {long_ms:.2f} ms"
+        f"ms), {count} tokens pause; of 16 stops of 64 characters {long_ms:.2f} ms, {long_count} tokens pause"
     )
     work = Path(tempfile.mkdtemp(prefix="relay-hotpath-"))
     tok_dir = write_tokenizer(work / "tokenizer")
@@ -383,6 +413,11 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         asyncio.run(run_all())
     finally:
         replicas.stop()
+    collection = full_collection_ms()
+    progress(
+        f"a full collection of this process: {collection['frozen']} ms as the replicas leave it, "
+        f"{collection['unfrozen']} ms unfrozen"
+    )
     return HotpathReport(
         vocab_size=len(texts),
         index_build_s=round(build_s, 3),
@@ -396,6 +431,9 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         replica_cpu_us_per_token={k: round(v, 1) for k, v in per["replica_tok"].items()},
         switches_per_request=per["switches"],
         prompt_tokenize_ms=per["tokenize"],
+        pause_ids_count=count,
+        pause_ids_64_chars_count=long_count,
+        full_collection_ms=collection,
     )
 
 

@@ -6,24 +6,30 @@ when some token ``t`` is appended; then ``t``'s text holds all of ``S``, or the 
 ends with a non-empty proper prefix ``S[:j]`` and ``t``'s text starts with the rest ``S[j:]`` (the
 *split* ``j``; only splits whose rest is no longer than the longest token text can happen). A
 request that pauses on every token that can do either sees every stop exactly where vLLM's
-stop-string check would: at the token that completes it. Each split is caught one of two ways,
-whichever pauses on fewer tokens of the vocabulary:
+stop-string check would: at the token that completes it. Each split is caught one of two ways:
 
 - *completion*: pause on the tokens that start with the rest ``S[j:]``. For ``"word, "`` at
   ``j = 1`` that is the few tokens starting with ``"ord, "``; at ``j = 5`` it would be every token
   starting with a space, most of the vocabulary;
 - *look-ahead*: pause on the tokens that can end the prefix ``S[:j]`` (their text ends with it, or
   is exactly ``S[i:j]`` for a prefix spread over several tokens), and whenever the text does end
-  with it, generate one token more (``max_tokens`` 1) and look again. A look-ahead that fires
-  costs two pauses, so a split is looked ahead only where the tokens that end its prefix are
-  fewer than half of those that start its rest. A *word stop* (a cue) counts only at a word start,
-  so its prefix must start a word too: ``"so "`` looks ahead after ``" so"``, never after
-  ``"also"``.
+  with it, generate one token more (``max_tokens`` 1) and look again. A *word stop* (a cue) counts
+  only at a word start, so its prefix must start a word too: ``"so "`` looks ahead after
+  ``" so"``, never after ``"also"``.
+
+Every pause that stops nothing costs a round trip (a decode step for that request when the engine
+is busy), so each split takes the way that pauses less. The vocabulary gives how many tokens each
+way pauses on, not how often they occur in text; and a rest of one character is nearly always a
+punctuation mark or white space, whose tokens are among the most frequent of all (every comma). So
+the last split (a rest of one character) keeps the rule of its stop's kind: looked ahead for a
+stop that ends in white space and for a word stop (``"Thus,"`` pauses after ``" Thus"``, not at
+every comma), completed for the others (``"</answer>"`` pauses on the tokens that start with
+``">"``). Every other split is looked ahead only where fewer than half as many tokens end its
+prefix as start its rest (a look-ahead that fires costs two pauses).
 
 The splits looked ahead are part of a stop list's pause ids (``PauseIds.ahead``): the check at a
-pause (:func:`lookahead_stops`) looks ahead for those and no others. Every pause that stops nothing
-costs a round trip (a decode step for that request when the engine is busy). :class:`PauseTokens`
-finds the pause token ids in an index of the vocabulary's texts; :func:`first_stop` and
+pause (:func:`lookahead_stops`) looks ahead for those and no others. :class:`PauseTokens` finds the
+pause token ids in an index of the vocabulary's texts; :func:`first_stop` and
 :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
 
@@ -167,11 +173,16 @@ class PauseTokens:
                 parts.append(self._suffixes.starting_with(s))  # tokens that hold the whole stop
             at_word_start = s in word_stops and is_word_char(s[0])  # a word stop's prefix must start a word
             lead = _word_tail(s[::-1])  # how many word characters the stop starts with
+            last_ahead = looks_ahead(s, word_stops)
             splits: list[int] = []
             for j in range(max(1, len(s) - n), len(s)):  # the splits a token can complete
                 lo, hi = starting.range_of(s[j:])  # tokens that start with the rest
                 end_lo, end_hi = ending.range_of(s[j - 1 :: -1]) if j <= n else (0, 0)  # that end the prefix
-                if 2 * (end_hi - end_lo) >= hi - lo:  # completion: pauses on fewer tokens
+                if j == len(s) - 1:  # a rest of one character: the rule of the stop's kind
+                    ahead_here = last_ahead
+                else:  # a look-ahead that fires costs two pauses
+                    ahead_here = 2 * (end_hi - end_lo) < hi - lo
+                if not ahead_here:
                     if hi > lo:
                         parts.append(starting.ids[lo:hi])
                     continue
@@ -213,6 +224,12 @@ class PauseTokens:
             return []  # no text to find
         start, end = max(1, min(splits) - self._longest), max(splits)
         return [first for last, first in self._automaton.iter(stop, start, end) if last + 1 in splits]
+
+
+def looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
+    """Whether a stop's last split (a rest of one character) is looked ahead: for a stop that ends
+    in white space or a word stop (a cue)."""
+    return stop[-1:].isspace() or stop in word_stops
 
 
 def _word_tail(text: str) -> int:

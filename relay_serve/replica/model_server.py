@@ -14,7 +14,9 @@ injected (tests pass a fake).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -70,6 +72,13 @@ class ModelServer:
         self.traits = self.engine.info().traits
         self.resumable = self.engine.can_resume()
         self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
+        if self._pauses is not None:
+            # what start-up built lives as long as the replica (the pause index alone is some 10^6
+            # objects for a Qwen3-size vocabulary): out of the collector's sight, or every full
+            # collection walks it again on the event loop (vLLM's server freezes its start-up too)
+            gc.collect()
+            gc.freeze()
+            atexit.register(gc.unfreeze)  # at exit the collector sees it again and frees it
         self._channel: SegmentServer | None = None
         self._channel_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None  # closes idle sessions while there are any

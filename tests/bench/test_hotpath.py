@@ -24,6 +24,9 @@ def test_the_hotpath_bench_reports_every_figure(capsys):
     ):
         assert set(report[key]) == {"1k", "2k"} and all(v > 0 for v in report[key].values()), key
     assert all(n >= 2 for n in report["switches_per_request"].values())  # the trace's cues made the models switch
+    assert 0 < report["pause_ids_count"] < 151_936 and 0 < report["pause_ids_64_chars_count"] < 151_936
+    assert set(report["full_collection_ms"]) == {"frozen", "unfrozen"}
+    assert all(v >= 0 for v in report["full_collection_ms"].values())
 
 
 def test_contexts_are_read_in_tokens():

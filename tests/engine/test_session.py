@@ -61,17 +61,15 @@ def test_pause_tokens_cover_every_way_to_complete_a_stop():
         found = pauses.ids(stops, word_stops)
         return {texts[i] for i in found}, dict(found.ahead)
 
-    # "Thus,": tokens that start with the rest of a split (",", "us,", ", we") or hold it all; at
-    # j = 4 one token ends "Thus" and three start with ",": completion still pauses on fewer than
-    # twice as many
+    # "Thus,": tokens that start with the rest of a split (",", "us,", ", we") or hold it all
     assert paused(("Thus,",)) == ({",", "Thus,", "us,", ", we"}, {})
-    # ". " ends in white space (three tokens start with " ", one ends "."): the token that ends the prefix, and a
-    # look-ahead
+    # ". " ends in white space (completed by most tokens): the token that ends the prefix, and a look-ahead
     assert paused((". ",)) == ({"."}, {". ": (1,)})
-    # "so ": "o " starts no token (completion at j = 1: no pause); one token ends "so", three start with " "
+    # "so ": "o " starts no token (completion at j = 1: no pause); at j = 2 the tokens ending "so"
     assert paused(("so ",)) == ({"so"}, {"so ": (2,)})
-    # a cue (word stop) completes where that pauses on fewer tokens: at "Thus" more end it than start ","
-    assert paused(("Thus,",), frozenset({"Thus,"})) == ({",", "Thus,", "us,", ", we"}, {})
+    # a cue (word stop) pauses where its word ends, not on every comma; its piece "us" too; the
+    # rests "hus,", "us," and "s," start fewer tokens than the prefixes end: completed
+    assert paused(("Thus,",), frozenset({"Thus,"})) == ({"Thus", "us", "Thus,", "us,"}, {"Thus,": (4,)})
     assert first_stop("a Thus, b. c", ["b.", "Thus,"]) == (10, "b.")  # list order, as vLLM
     assert lookahead_stops("so b.", {". ": (1,)}) and not lookahead_stops("so Th", {"Thus,": (1,)})
     assert not lookahead_stops("so b.", {". ": ()}) and not lookahead_stops("so Th", {})

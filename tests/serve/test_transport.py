@@ -556,3 +556,22 @@ def test_a_lease_on_a_replica_out_of_rotation_ends_its_engine_session_there_when
     first, now, calls, cancelled = asyncio.run(go())
     # the one replica here is also where the new lease lands: the old session ended, a new one runs
     assert first is not None and now is not None and now is not first and calls == 2 and cancelled
+
+
+def test_a_replica_with_a_pause_index_keeps_what_start_up_built_out_of_the_collectors_sight():
+    """The pause index and what the engine built live as long as the replica: frozen after start-up,
+    a full collection on the replica's loop does not walk them again. A replica without resumable
+    requests (no index) leaves the collector alone."""
+    import gc
+
+    built_before = [object() for _ in range(3)]  # a container the collector tracks, made before start-up
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(built_before) in tracked
+    try:
+        resumable_setup()
+        assert id(built_before) not in {id(o) for o in gc.get_objects()} and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        replica("large")  # FakeEngine: no resumable requests
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
