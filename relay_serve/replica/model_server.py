@@ -75,7 +75,7 @@ class ModelServer:
         if self._pauses is not None:
             # what start-up built lives as long as the replica (the pause index alone is some 10^6
             # objects for a Qwen3-size vocabulary): out of the collector's sight, or every full
-            # collection walks it again on the event loop (vLLM's server freezes its start-up too)
+            # collection walks it again on the event loop (vLLM's engine core freezes its own start-up too)
             gc.collect()
             gc.freeze()
             atexit.register(gc.unfreeze)  # at exit the collector sees it again and frees it
