@@ -73,9 +73,9 @@ class ModelServer:
         self.resumable = self.engine.can_resume()
         self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
         if self._pauses is not None:
-            # what start-up built lives as long as the replica (the pause index alone is some 10^6
-            # objects for a Qwen3-size vocabulary): out of the collector's sight, or every full
-            # collection walks it again on the event loop (vLLM's engine core freezes its own start-up too)
+            # what start-up built (vLLM's and torch's modules, the engine, the pause index) lives as long
+            # as the replica: out of the collector's sight, or every full collection walks its hundreds of
+            # thousands of objects again on the event loop (vLLM's engine core freezes its own start-up too)
             gc.collect()
             gc.freeze()
             atexit.register(gc.unfreeze)  # at exit the collector sees it again and frees it
