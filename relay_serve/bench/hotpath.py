@@ -6,21 +6,23 @@ The real router (HTTP API, generations, relay policy, session, transport over th
 channel) and the real model replica code (``ModelServer``: channel server, resumable engine
 sessions, pause tokens, stop checks) serve relay requests over a vocabulary of Qwen3's size
 (151,936 token texts, ``relay_serve/toy/vocab.py``, with a tokenizer made from them). The engine is
-a stand-in that writes a fixed reasoning trace instantly, so what is measured is only what relay-serve
-adds: the CPU time of the router's thread and of the replicas' thread (each on an event loop of its
-own, as in production they are different processes), per switch between the models and per
-generated token, at contexts (prompt and what came before) of 1k, 8k and 32k tokens. Each request
-generates ``--tokens`` tokens with a cue every few sentences; a figure is the median of
-``--repeats`` requests after one warm-up, the contexts taking turns request by request (a slow
-spell of a shared machine hits them alike, so their ratios hold).
+a stand-in that writes a fixed reasoning trace instantly, so what is measured is only what
+relay-serve adds: the CPU time of the router's thread (its event loop, in this process) and of the
+replicas' (both model replicas on the event loop of a process of their own, spawned, that answers
+what the router calls on their deployment handles: as in production, router and replicas share no
+interpreter), per switch between the models and per generated token, at contexts (prompt and what
+came before) of 1k, 8k and 32k tokens. Each request generates ``--tokens`` tokens with a cue every
+few sentences; a figure is the median of ``--repeats`` requests after one warm-up, the contexts
+taking turns request by request (a slow spell of a shared machine hits them alike, so their ratios
+hold).
 
 Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
 ``relay_cues`` can make), against the scan of every token text that the index replaced, and of a
 list of 16 stops of 64 characters, and how many tokens pause for each. A replica finds a list it
 has not seen in a worker thread, off its event loop (``PauseTokens.lookup``). Last, a full
-collection of the process, with what the replicas' start-up built frozen (as ``ModelServer`` leaves
-it) and unfrozen.
+collection of the replicas' process, with what their start-up built frozen (as ``ModelServer``
+leaves it) and unfrozen.
 
 The router tokenizes a request's prompt once; a long one (``OFF_LOOP_PROMPT_CHARS``) in a worker
 thread, off its event loop and so outside the router thread's CPU measured here: what it costs is
@@ -37,13 +39,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
+import contextlib
+import itertools
 import json
+import multiprocessing
+import pickle
 import random
 import statistics
+import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from pathlib import Path
@@ -152,72 +157,209 @@ class _InstantRequest(ResumableRequest):
         pass
 
 
-# ---- the replicas' thread, and handles into it -------------------------------------------------
+# ---- the replicas' process, and handles into it -------------------------------------------------
 
 
-class _ReplicaThread:
-    """The model replicas' event loop on a thread of its own, whose CPU time is theirs."""
+def _frame(message: dict[str, Any]) -> bytes:
+    data = pickle.dumps(message)
+    return struct.pack("<I", len(data)) + data
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="replicas", daemon=True)
-        self.thread.start()
 
-    def run(self, coro_or_fn) -> Any:
-        async def call():
-            return coro_or_fn() if callable(coro_or_fn) else await coro_or_fn
+async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    (n,) = struct.unpack("<I", await reader.readexactly(4))
+    return pickle.loads(await reader.readexactly(n))
 
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
 
-    def cpu_s(self) -> float:
-        return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], list[int]]) -> None:
+    """The replicas' process: both model replicas (``ModelServer`` over the stand-in engine) on its
+    event loop, and a loopback server for what the router calls on their deployment handles
+    (``lease``, ``info``, ``tokenizer_files``) and for the bench (``cpu``: this loop's thread CPU;
+    ``collection``: a full collection's cost here)."""
+    _TRACES.update(traces)
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+    async def main() -> None:
+        from relay_serve.replica.model_server import ModelServer
+
+        servers = {role: ModelServer(role, models[role], engine_cls=InstantEngine) for role in models}
+        stop = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            tasks: dict[int, asyncio.Task] = {}
+
+            def send(message: dict[str, Any]) -> None:
+                if not writer.is_closing():
+                    writer.write(_frame(message))
+
+            async def run(rid: int, role: str, method: str, args: tuple) -> None:
+                try:
+                    if method == "cpu":
+                        send({"id": rid, "result": time.thread_time()})
+                    elif method == "collection":
+                        send({"id": rid, "result": full_collection_ms()})
+                    elif method == "lease":
+                        async with contextlib.aclosing(servers[role].lease(*args)) as items:
+                            async for item in items:
+                                send({"id": rid, "item": item})
+                        send({"id": rid, "end": True})
+                    else:
+                        send({"id": rid, "result": await getattr(servers[role], method)(*args)})
+                except Exception as e:  # noqa: BLE001 - the caller's error
+                    send({"id": rid, "error": f"{type(e).__name__}: {e}"})
+                finally:
+                    tasks.pop(rid, None)
+
+            try:
+                while True:
+                    message = await _read_frame(reader)
+                    if message.get("stop"):
+                        stop.set()
+                        return
+                    if message.get("cancel"):
+                        if (task := tasks.get(message["id"])) is not None:
+                            task.cancel()
+                        continue
+                    rid = message["id"]
+                    tasks[rid] = asyncio.create_task(run(rid, message["role"], message["method"], message["args"]))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                for task in list(tasks.values()):
+                    task.cancel()
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        conn.send({"port": server.sockets[0].getsockname()[1]})
+        await stop.wait()
+        server.close()
+
+    try:
+        asyncio.run(main())
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+class _ReplicasProcess:
+    """The model replicas in a process of their own, as in production (a replica is a process of
+    its own; here both share one, on one event loop), and calls into it from the router's loop."""
+
+    def __init__(self, models: dict[str, dict], traces: dict[tuple[int, ...], list[int]]) -> None:
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self.process = context.Process(target=_replicas_main, args=(child, models, traces), daemon=True)
+        self.process.start()
+        if not parent.poll(600):
+            self.process.kill()
+            raise RuntimeError("the replicas' process did not start in 600 s")
+        started = parent.recv()
+        if "error" in started:
+            raise RuntimeError(f"the replicas' process failed to start: {started['error']}")
+        self.port: int = started["port"]
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count()
+
+    async def _connect(self) -> None:
+        if self._writer is None:
+            reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
+            self._read_task = asyncio.create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await _read_frame(reader)
+                if (queue := self._pending.get(message["id"])) is not None:
+                    queue.put_nowait(message)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            for queue in self._pending.values():
+                queue.put_nowait({"error": "the replicas' process closed the connection"})
+
+    async def open(self, role: str, method: str, args: tuple) -> tuple[int, asyncio.Queue]:
+        await self._connect()
+        rid, queue = next(self._ids), asyncio.Queue[dict[str, Any]]()
+        self._pending[rid] = queue
+        self.send({"id": rid, "role": role, "method": method, "args": args})
+        return rid, queue
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(_frame(message))
+
+    def done(self, rid: int) -> None:
+        self._pending.pop(rid, None)
+
+    async def call(self, role: str, method: str, args: tuple = ()) -> Any:
+        rid, queue = await self.open(role, method, args)
+        try:
+            message = await queue.get()
+        finally:
+            self.done(rid)
+        if "error" in message:
+            raise RuntimeError(message["error"])
+        return message["result"]
+
+    async def stop(self) -> None:
+        self.send({"stop": True})
+        if self._writer is not None:
+            self._writer.close()
+        await asyncio.to_thread(self.process.join, 60)
+        if self.process.is_alive():
+            self.process.kill()
 
 
 class _Stream:
-    """A streaming handle call (``lease``) whose generator runs on the replicas' loop."""
+    """A streaming handle call (``lease``) answered by the replicas' process."""
 
-    def __init__(self, gen, loop: asyncio.AbstractEventLoop) -> None:
-        self.gen, self.loop = gen, loop
-        self._pending: concurrent.futures.Future | None = None
+    def __init__(self, replicas: _ReplicasProcess, role: str, args: tuple) -> None:
+        self.replicas, self.role, self.args = replicas, role, args
+        self._rid: int | None = None
+        self._queue: asyncio.Queue | None = None
+        self._cancelled = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        self._pending = asyncio.run_coroutine_threadsafe(self.gen.__anext__(), self.loop)
-        return await asyncio.wrap_future(self._pending)
+        if self._cancelled:
+            raise asyncio.CancelledError
+        if self._queue is None:
+            self._rid, self._queue = await self.replicas.open(self.role, "lease", self.args)
+        message = await self._queue.get()
+        if "item" in message:
+            return message["item"]
+        if self._rid is not None:
+            self.replicas.done(self._rid)
+        if message.get("cancelled"):
+            raise asyncio.CancelledError
+        if "error" in message:
+            raise RuntimeError(message["error"])
+        raise StopAsyncIteration
 
     def cancel(self) -> None:
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
-        else:
-            asyncio.run_coroutine_threadsafe(self.gen.aclose(), self.loop)
+        self._cancelled = True
+        if self._queue is not None:
+            self.replicas.send({"id": self._rid, "cancel": True})
+            self._queue.put_nowait({"cancelled": True})
 
 
 class _Handle:
-    """What the router calls on a deployment handle (``lease``, ``info``), on the replicas' loop."""
+    """What the router calls on a deployment handle (``lease``, ``info``, ``tokenizer_files``),
+    answered by the replicas' process."""
 
-    def __init__(self, server, replicas: _ReplicaThread) -> None:
-        self.server, self.replicas, self._method = server, replicas, "info"
+    def __init__(self, replicas: _ReplicasProcess, role: str, method: str = "info") -> None:
+        self.replicas, self.role, self._method = replicas, role, method
 
     def options(self, method_name: str, stream: bool = False, **_: Any) -> _Handle:
-        handle = _Handle(self.server, self.replicas)
-        handle._method = method_name
-        return handle
+        return _Handle(self.replicas, self.role, method_name)
 
     @property
     def info(self) -> _Handle:
         return self.options("info")
 
     def remote(self, *args: Any):
-        loop = self.replicas.loop
         if self._method == "lease":
-            return _Stream(self.server.lease(*args), loop)
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(getattr(self.server, self._method)(*args), loop))
+            return _Stream(self.replicas, self.role, args)
+        return asyncio.ensure_future(self.replicas.call(self.role, self._method, args))
 
 
 # ---- the trace -----------------------------------------------------------------------------------
@@ -298,9 +440,9 @@ def pause_ids_cost(texts: list[str], lists: int = 9) -> tuple[float, float, floa
 
 
 def full_collection_ms() -> dict[str, float]:
-    """A full collection of this process (which holds vLLM's modules and two replicas' pause
-    indexes, as replica processes do) with what the replicas' start-up built frozen, as a
-    ``ModelServer`` leaves it, and unfrozen (ms); the run's garbage is collected first."""
+    """A full collection of this process (the replicas': it holds the modules a replica imports
+    and two pause indexes) with what the replicas' start-up built frozen, as a ``ModelServer``
+    leaves it, and unfrozen (ms); the run's garbage is collected first."""
     import gc
 
     gc.collect()
@@ -317,7 +459,6 @@ def full_collection_ms() -> dict[str, float]:
 def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print) -> HotpathReport:
     import httpx
 
-    from relay_serve.replica.model_server import ModelServer
     from relay_serve.router.backend import ServeBackend
     from relay_serve.router.ingress import RelayRouter
     from relay_serve.tokenizer import load_codec
@@ -349,19 +490,17 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         prompt, trace = make_trace(codec, context, tokens, seed=context)
         _TRACES[tuple(trace[:_KEY])] = trace
         prompts[label] = prompt
-    replicas = _ReplicaThread()
-    servers = {
-        role: replicas.run(lambda role=role: ModelServer(role, models[role], engine_cls=InstantEngine))
-        for role in models
-    }
-    backend = ServeBackend(_Handle(servers["large"], replicas), _Handle(servers["small"], replicas))
+    replicas = _ReplicasProcess(models, dict(_TRACES))
+    backend = ServeBackend(_Handle(replicas, "large"), _Handle(replicas, "small"))
     router = RelayRouter(cfg, backend=backend)
 
     async def one(client, prompt: str) -> tuple[float, float, dict]:
         body = {"model": "relay", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
-        r0, p0 = time.thread_time(), replicas.cpu_s()
+        p0 = await replicas.call("", "cpu")
+        r0 = time.thread_time()
         resp = await client.post("/v1/completions", json=body)
-        r1, p1 = time.thread_time(), replicas.cpu_s()
+        r1 = time.thread_time()
+        p1 = await replicas.call("", "cpu")
         if resp.status_code != 200:
             raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
         return r1 - r0, p1 - p0, resp.json()["usage"]
@@ -406,16 +545,17 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
                         f"{per['tokenize'][label]:.1f} ms a request"
                     )
         finally:
-            backend.close()  # the leases go back; their calls end on the replicas' loop
+            backend.close()  # the leases go back; their calls end in the replicas' process
             await asyncio.sleep(0.2)
+            try:
+                collection.update(await replicas.call("", "collection"))
+            finally:
+                await replicas.stop()
 
-    try:
-        asyncio.run(run_all())
-    finally:
-        replicas.stop()
-    collection = full_collection_ms()
+    collection: dict[str, float] = {}
+    asyncio.run(run_all())
     progress(
-        f"a full collection of this process: {collection['frozen']} ms as the replicas leave it, "
+        f"a full collection of the replicas' process: {collection['frozen']} ms as the replicas leave it, "
         f"{collection['unfrozen']} ms unfrozen"
     )
     return HotpathReport(
