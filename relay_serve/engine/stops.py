@@ -84,14 +84,15 @@ class PauseTokens:
     """The pause token ids of sets of stop strings, for one vocabulary (``texts[i]`` is the
     decoded text of token ``i`` alone).
 
-    Built once per vocabulary (about 3 s for 151,936 texts here; a replica builds it at start-up):
-    the texts sorted, the texts reversed and sorted, every suffix of every text sorted, and an
-    Aho-Corasick automaton of the texts that carries each text's ids (pyahocorasick). The pause ids of a
-    stop list then come from range lookups: tokens that start with a string (a range of the
-    sorted texts), end with one (of the reversed), hold one (of the suffixes); and from one pass
-    of the automaton over a stop for the tokens that are a piece of it. The ids are joined by
-    numpy. A query costs the log of the vocabulary's size per string looked up plus the ids it
-    finds, never a pass over the vocabulary; no string longer than the longest text is looked up.
+    Built once per vocabulary (about 3.5-4 s for 151,936 texts here; a replica builds it at
+    start-up): the texts sorted, the texts reversed and sorted, every suffix of every text sorted,
+    and an Aho-Corasick automaton of the texts that carries each text's first id (pyahocorasick;
+    the other ids of a text several tokens decode to are kept beside it). The pause ids of a stop
+    list then come from range lookups: tokens that start with a string (a range of the sorted
+    texts), end with one (of the reversed), hold one (of the suffixes); and from one pass of the
+    automaton over a stop for the tokens that are a piece of it. The ids are joined by numpy. A
+    query costs the log of the vocabulary's size per string looked up plus the ids it finds, never
+    a pass over the vocabulary; no string longer than the longest text is looked up.
     :meth:`lookup` runs a stop list never seen in a worker thread, off the caller's event loop."""
 
     def __init__(self, texts: Sequence[str], cache_size: int = 256) -> None:
@@ -173,7 +174,7 @@ class PauseTokens:
                 parts.append(self._suffixes.starting_with(s))  # tokens that hold the whole stop
             at_word_start = s in word_stops and is_word_char(s[0])  # a word stop's prefix must start a word
             lead = _word_tail(s[::-1])  # how many word characters the stop starts with
-            last_ahead = looks_ahead(s, word_stops)
+            last_ahead = _looks_ahead(s, word_stops)
             splits: list[int] = []
             for j in range(max(1, len(s) - n), len(s)):  # the splits a token can complete
                 lo, hi = starting.range_of(s[j:])  # tokens that start with the rest
@@ -226,7 +227,7 @@ class PauseTokens:
         return [first for last, first in self._automaton.iter(stop, start, end) if last + 1 in splits]
 
 
-def looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
+def _looks_ahead(stop: str, word_stops: Collection[str]) -> bool:
     """Whether a stop's last split (a rest of one character) is looked ahead: for a stop that ends
     in white space or a word stop (a cue)."""
     return stop[-1:].isspace() or stop in word_stops
@@ -274,10 +275,6 @@ class _Sorted:
             return 0, 0
         after = _after_all_starting_with(prefix)
         return lo, bisect_left(self.keys, after, lo, end) if after is not None else end
-
-    def starting_with(self, prefix: str) -> np.ndarray:
-        lo, hi = self.range_of(prefix)
-        return self.ids[lo:hi]
 
 
 LEAD = 3  # the suffixes are grouped by their first characters, up to this many
