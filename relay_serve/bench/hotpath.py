@@ -43,10 +43,8 @@ import contextlib
 import itertools
 import json
 import multiprocessing
-import pickle
 import random
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -58,7 +56,7 @@ from pydantic import BaseModel
 
 from relay_serve.config import CueSettings
 from relay_serve.engine.base import ChunkOutput, Engine, EngineInfo, ResumableRequest
-from relay_serve.protocol import EngineChunk, SamplingSettings, SegmentRequest
+from relay_serve.protocol import EngineChunk, SamplingSettings, SegmentRequest, pack, read_message
 from relay_serve.relay.detok import TokenStream
 
 CUES = tuple(
@@ -160,19 +158,10 @@ class _InstantRequest(ResumableRequest):
 # ---- the replicas' process, and handles into it -------------------------------------------------
 
 
-def _frame(message: dict[str, Any]) -> bytes:
-    data = pickle.dumps(message)
-    return struct.pack("<I", len(data)) + data
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (n,) = struct.unpack("<I", await reader.readexactly(4))
-    return pickle.loads(await reader.readexactly(n))
-
-
 def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], list[int]]) -> None:
     """The replicas' process: both model replicas (``ModelServer`` over the stand-in engine) on its
-    event loop, and a loopback server for what the router calls on their deployment handles
+    event loop, and a loopback server (the segment channel's frames, ``protocol.pack``) for what
+    the router calls on their deployment handles
     (``lease``, ``info``, ``tokenizer_files``) and for the bench (``cpu``: this loop's thread CPU;
     ``collection``: a full collection's cost here)."""
     _TRACES.update(traces)
@@ -188,7 +177,7 @@ def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], 
 
             def send(message: dict[str, Any]) -> None:
                 if not writer.is_closing():
-                    writer.write(_frame(message))
+                    writer.write(pack(message))
 
             async def run(rid: int, role: str, method: str, args: tuple) -> None:
                 try:
@@ -210,7 +199,7 @@ def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], 
 
             try:
                 while True:
-                    message = await _read_frame(reader)
+                    message = await read_message(reader)
                     if message.get("stop"):
                         stop.set()
                         return
@@ -267,7 +256,7 @@ class _ReplicasProcess:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                message = await _read_frame(reader)
+                message = await read_message(reader)
                 if (queue := self._pending.get(message["id"])) is not None:
                     queue.put_nowait(message)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -283,7 +272,7 @@ class _ReplicasProcess:
 
     def send(self, message: dict[str, Any]) -> None:
         if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(_frame(message))
+            self._writer.write(pack(message))
 
     def done(self, rid: int) -> None:
         self._pending.pop(rid, None)
