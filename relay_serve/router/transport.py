@@ -300,6 +300,7 @@ class DirectTransport:
                 lease.release()
         for idle in self.idle.values():
             for lease in idle:
+                lease.idle_since = None  # out of the pool: its expiry timer does nothing
                 lease.release()
         self.leases.clear()
         self.idle = {"large": [], "small": []}

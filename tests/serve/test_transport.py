@@ -313,6 +313,19 @@ def test_an_idle_lease_that_cannot_be_reused_is_given_back_once(caplog):
     assert "ValueError" not in caplog.text  # the expiry timer of a lease taken out of the pool
 
 
+def test_closing_the_backend_with_an_idle_lease_leaves_no_expiry_timer_to_fail(caplog):
+    async def go():
+        b, (_, hl), _ = setup(lease_idle_s=0.05)
+        await run(b, req(session="gen-1"))
+        b.release("gen-1")  # its lease goes idle, with an expiry timer
+        b.close()  # the router stops: every lease goes back at once
+        await asyncio.sleep(0.1)  # the timer fires after the close
+        return hl.calls[0].cancelled, b.stats()["idle_leases"]
+
+    assert asyncio.run(go()) == (True, 0)
+    assert "ValueError" not in caplog.text and "Traceback" not in caplog.text
+
+
 def scripted(prompt: str, ref: str):
     """A codec and an engine class (resumable requests) whose model writes ``prompt + ref`` from
     wherever its text stands, for real ModelServers behind the direct transport."""
