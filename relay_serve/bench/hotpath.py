@@ -14,7 +14,10 @@ interpreter), per switch between the models and per generated token, at contexts
 came before) of 1k, 8k and 32k tokens. Each request generates ``--tokens`` tokens with a cue every
 few sentences; a figure is the median of ``--repeats`` requests after one warm-up, the contexts
 taking turns request by request (a slow spell of a shared machine hits them alike, so their ratios
-hold).
+hold). The replicas' CPU a segment is all their process's thread spent during the request over its
+segments; it also times each segment's handling (``ModelServer.segment``) alone, the first of a
+generation on a model (which carries the prompt: the context's one transfer) apart from those that
+continue its session (which carry only what is new).
 
 Also: how long the pause-token index of the vocabulary takes to build (once per replica), and
 what the pause ids of a stop list never seen before cost (16 stops, as a client's ``stop`` and
@@ -30,7 +33,8 @@ reported apart (``prompt_tokenize_ms``, the prompt's ``encode`` timed alone).
 
 With ``--json`` the last line is ``{"vocab_size", "index_build_s", "pause_ids_ms",
 "pause_ids_scan_ms", "pause_ids_64_chars_ms", "router_cpu_ms_per_switch": {"1k", "8k", "32k"},
-"replica_cpu_ms_per_segment": {...}, "router_cpu_us_per_token": {...},
+"replica_cpu_ms_per_segment": {...}, "replica_segment_handling_ms": {"1k": {"first", "continuing"}, ...},
+"router_cpu_us_per_token": {...},
 "replica_cpu_us_per_token": {...}, "switches_per_request": {...}, "prompt_tokenize_ms": {...},
 "pause_ids_count", "pause_ids_64_chars_count", "full_collection_ms": {"frozen", "unfrozen"}}``.
 """
@@ -73,6 +77,7 @@ class HotpathReport(BaseModel):
     tokens_per_request: int
     router_cpu_ms_per_switch: dict[str, float]
     replica_cpu_ms_per_segment: dict[str, float]
+    replica_segment_handling_ms: dict[str, dict[str, float]]
     router_cpu_us_per_token: dict[str, float]
     replica_cpu_us_per_token: dict[str, float]
     switches_per_request: dict[str, float]
@@ -170,6 +175,9 @@ def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], 
         from relay_serve.replica.model_server import ModelServer
 
         servers = {role: ModelServer(role, models[role], engine_cls=InstantEngine) for role in models}
+        clock = _SegmentClock()
+        for server in servers.values():
+            server.segment = clock.timed(server.segment)  # type: ignore[method-assign]
         stop = asyncio.Event()
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -183,6 +191,8 @@ def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], 
                 try:
                     if method == "cpu":
                         send({"id": rid, "result": time.thread_time()})
+                    elif method == "segments":
+                        send({"id": rid, "result": clock.take()})
                     elif method == "collection":
                         send({"id": rid, "result": full_collection_ms()})
                     elif method == "lease":
@@ -226,6 +236,45 @@ def _replicas_main(conn, models: dict[str, dict], traces: dict[tuple[int, ...], 
     except BaseException as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         raise
+
+
+class _SegmentClock:
+    """The thread CPU of each segment's handling on the replicas' loop (``ModelServer.segment``:
+    the request's check, the engine session, the stop checks, the stand-in engine; not the
+    channel's reading of its frame nor the writing of its chunks), the first segment of a
+    generation on a model (``context_base`` 0: it carries the whole context) apart from those that
+    continue its session. Time the loop spends elsewhere while a segment waits is counted too: the
+    bench runs one request at a time, so there is little."""
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.continuing: list[float] = []
+
+    def timed(self, segment):
+        async def timed_segment(request: dict[str, Any], stream: Any, peer: Any = None) -> AsyncIterator[dict]:
+            spent = 0.0
+            chunks = segment(request, stream, peer)
+            try:
+                while True:
+                    t0 = time.thread_time()
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        spent += time.thread_time() - t0
+                    yield chunk
+            finally:
+                await chunks.aclose()
+                (self.continuing if request.get("context_base") else self.first).append(spent)
+
+        return timed_segment
+
+    def take(self) -> dict[str, list[float]]:
+        """The segments timed since the last call (s)."""
+        out = {"first": self.first, "continuing": self.continuing}
+        self.first, self.continuing = [], []
+        return out
 
 
 class _ReplicasProcess:
@@ -485,6 +534,7 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
 
     async def one(client, prompt: str) -> tuple[float, float, dict]:
         body = {"model": "relay", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
+        await replicas.call("", "segments")  # what came before this request is not its own
         p0 = await replicas.call("", "cpu")
         r0 = time.thread_time()
         resp = await client.post("/v1/completions", json=body)
@@ -492,10 +542,11 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         p1 = await replicas.call("", "cpu")
         if resp.status_code != 200:
             raise RuntimeError(f"the router answered {resp.status_code}: {resp.text}")
-        return r1 - r0, p1 - p0, resp.json()["usage"]
+        segments = await replicas.call("", "segments")
+        return r1 - r0, p1 - p0, {**resp.json()["usage"], "segment_cpu": segments}
 
     per: dict[str, dict[str, float]] = {
-        k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize")
+        k: {} for k in ("switch", "segment", "router_tok", "replica_tok", "switches", "tokenize", "first", "continuing")
     }
     for label, prompt in prompts.items():
         times = []
@@ -523,12 +574,20 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
                     per["segment"][label] = (
                         statistics.median(p / max(1, u["relay"]["segments"]) for _, p, u in runs) * 1e3
                     )
+                    per["first"][label] = (
+                        statistics.median(t for *_, u in runs for t in u["segment_cpu"]["first"]) * 1e3
+                    )
+                    per["continuing"][label] = (
+                        statistics.median(t for *_, u in runs for t in u["segment_cpu"]["continuing"]) * 1e3
+                    )
                     per["router_tok"][label] = statistics.median(r / u["completion_tokens"] for r, _, u in runs) * 1e6
                     per["replica_tok"][label] = statistics.median(p / u["completion_tokens"] for _, p, u in runs) * 1e6
                     progress(
                         f"context {label}: {per['switches'][label]:.0f} switches a request; router "
                         f"{per['switch'][label]:.2f} ms "
-                        f"CPU a switch, replicas {per['segment'][label]:.2f} ms CPU a segment; per token "
+                        f"CPU a switch, replicas {per['segment'][label]:.2f} ms CPU a segment (handling a generation's "
+                        f"first on a model {per['first'][label]:.2f} ms, one that continues it "
+                        f"{per['continuing'][label]:.2f} ms); per token "
                         f"{per['router_tok'][label]:.0f} and {per['replica_tok'][label]:.0f} us; the prompt's "
                         "tokenization "
                         f"{per['tokenize'][label]:.1f} ms a request"
@@ -556,6 +615,9 @@ def measure(contexts: dict[str, int], tokens: int, repeats: int, progress=print)
         tokens_per_request=tokens,
         router_cpu_ms_per_switch={k: round(v, 3) for k, v in per["switch"].items()},
         replica_cpu_ms_per_segment={k: round(v, 3) for k, v in per["segment"].items()},
+        replica_segment_handling_ms={
+            k: {"first": round(per["first"][k], 3), "continuing": round(per["continuing"][k], 3)} for k in per["first"]
+        },
         router_cpu_us_per_token={k: round(v, 1) for k, v in per["router_tok"].items()},
         replica_cpu_us_per_token={k: round(v, 1) for k, v in per["replica_tok"].items()},
         switches_per_request=per["switches"],

@@ -23,6 +23,9 @@ def test_the_hotpath_bench_reports_every_figure(capsys):
         "prompt_tokenize_ms",
     ):
         assert set(report[key]) == {"1k", "2k"} and all(v > 0 for v in report[key].values()), key
+    handling = report["replica_segment_handling_ms"]
+    assert set(handling) == {"1k", "2k"}
+    assert all(set(h) == {"first", "continuing"} and all(v > 0 for v in h.values()) for h in handling.values())
     assert all(n >= 2 for n in report["switches_per_request"].values())  # the trace's cues made the models switch
     assert 0 < report["pause_ids_count"] < 151_936 and 0 < report["pause_ids_64_chars_count"] < 151_936
     assert set(report["full_collection_ms"]) == {"frozen", "unfrozen"}
