@@ -18,16 +18,20 @@ generations in a row on one path (at level 32, 64 generations, enough for the en
 only that path), and a generation teaches its path's figure only when at least ``min_purity`` of
 the generations beside it over its life ran the same path (``LoadClock.share_since``).
 
-A generation is chosen by the load when it starts but teaches the level of the load it ran under
-(the mean of the generations in flight over its life, from a ``LoadClock``): the first generations of
-a burst start with few others in flight and run under all of them, and taught the low levels what
-the high load costs.
+A generation teaches the level of the load it ran under (the mean of the generations in flight
+over its life, from a ``LoadClock``), and is chosen at the level of the most generations in flight
+over the last ``load_window_s`` (``LoadClock.peak``), not of those in flight when it starts: the
+first generations of a burst start with few others in flight and run under all of them. Chosen by
+their start count, those of a burst of 64 that start with 45 or fewer in flight were chosen at
+levels 1-32, in blocks those levels ran for loads they never saw; taught by it, they taught the low
+levels what the high load costs.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -62,6 +66,13 @@ class AutoSettings(BaseModel):
     smoothing: float = Field(
         0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average"
     )
+    load_window_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="a generation is chosen at the level of the most generations in flight over this many seconds "
+        "before it starts (or of those in flight now, if more): a burst's generations start one by one but run under "
+        "all of it",
+    )
 
 
 def bucket(load: float) -> int:
@@ -89,6 +100,8 @@ class LoadClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.n = 0
+        self._peaks: deque[tuple[float, int]] = deque()  # (when, in flight then): later ones with fewer
+        self._kept_s = 0.0  # the longest window asked of peak()
         self._by_path: dict[str, int] = {}
         self._area = 0.0  # generation-seconds so far
         self._path_area: dict[str, float] = {}
@@ -108,7 +121,22 @@ class LoadClock:
         now = self._advance()
         self.n += 1
         self._by_path[path] = self._by_path.get(path, 0) + 1
+        while self._peaks and self._peaks[-1][1] <= self.n:  # a later moment with as many in flight
+            self._peaks.pop()
+        self._peaks.append((now, self.n))
         return Mark(now, self._area, self._path_area.get(path, 0.0), path)
+
+    def peak(self, window_s: float) -> int:
+        """The most in flight when one entered over the last ``window_s`` seconds, or now if more
+        (the count rises only when one enters). Kept: the enters with more in flight than any later
+        one (a falling queue), as far back as the longest window asked."""
+        now = self.clock()
+        self._kept_s = max(self._kept_s, window_s)
+        while self._peaks and self._peaks[0][0] < now - self._kept_s:  # too old for any window asked
+            self._peaks.popleft()
+        # the first enter inside the window had more in flight than any later one
+        inside = next((n for t, n in self._peaks if t >= now - window_s), 0)
+        return max(self.n, inside)
 
     def leave(self, path: str = "") -> None:
         self._advance()

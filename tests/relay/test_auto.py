@@ -63,6 +63,61 @@ def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
     assert alone["relay"] > 85  # 4 to learn large, then one in 20
 
 
+def test_the_load_clock_gives_the_most_in_flight_at_an_enter_over_a_window():
+    now = FakeTime()
+    clock = LoadClock(now)
+    assert clock.peak(30) == 0
+    for _ in range(5):  # t=0: five at once
+        clock.enter()
+    now.t = 10.0
+    for _ in range(4):
+        clock.leave()
+    clock.enter()  # t=10: two in flight
+    now.t = 20.0
+    assert clock.peak(30) == 5 and clock.peak(15) == 2  # the five of t=0 are 20 s ago
+    clock.leave()
+    clock.leave()
+    now.t = 45.0
+    assert clock.peak(40) == 2 and clock.peak(30) == 0  # none in flight, none entered since t=10
+    # against a brute force over random enters and leaves: the most in flight at any enter within the window
+    import random
+
+    rng = random.Random(3)
+    now, events = FakeTime(), []
+    clock = LoadClock(now)
+    for _ in range(400):
+        now.t += rng.random()
+        if clock.n and rng.random() < 0.45:
+            clock.leave()
+        else:
+            clock.enter()
+            events.append((now.t, clock.n))
+        window = rng.choice((0.5, 3.0, 20.0))
+        expected = max([n for t, n in events if t >= now.t - window] + [clock.n])
+        assert clock.peak(window) == expected
+
+
+def test_a_burst_after_a_burst_is_chosen_at_the_level_it_will_run_under():
+    """Chosen by the most in flight of late: a second burst of 64 runs level 64's block from its first
+    generation, which its start count (1, 2, 3, ...) would have put at levels 1-32."""
+    now = FakeTime()
+    clock, chooser = LoadClock(now), AutoChooser(AutoSettings(min_samples=4, load_window_s=30))
+    for _ in range(64):
+        clock.enter()
+    now.t = 8.0
+    for _ in range(64):
+        clock.leave()
+    now.t = 9.0
+    levels = []
+    for _ in range(64):
+        load = max(clock.n + 1, clock.peak(chooser.settings.load_window_s))
+        levels.append(bucket(load))
+        chooser.choose(load)
+        clock.enter()
+    assert set(levels) == {64}
+    assert set(chooser.levels) == {64} and chooser.levels[64].started == {"relay": 64, "large": 0}
+
+
 def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) -> Counter:
     """``n`` generations at ``load``, each path taking its ``s_per_token`` for 100 tokens."""
     chosen = Counter()

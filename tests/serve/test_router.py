@@ -504,6 +504,29 @@ def test_auto_generations_that_ran_together_teach_the_load_they_ran_under():
     assert taught == {"8": 8}
 
 
+def test_auto_chooses_a_burst_at_the_level_of_the_last_burst():
+    """The first of eight requests sent at once starts with few in flight: chosen by that count, it
+    ran a block of level 1, 2 or 4; chosen by the most in flight of late, every one of a second
+    burst runs level 8's."""
+    router, backend = make_router()
+    backend.delay_s = 0.005
+
+    async def go():
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat("auto", seed=i)) for i in range(8)))
+
+    def started() -> dict[int, int]:
+        return {size: sum(level.started.values()) for size, level in router.generations.auto.levels.items()}
+
+    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    first = started()
+    assert sum(first.values()) == 8
+    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    second = started()
+    assert {size: second[size] - first.get(size, 0) for size in second} == {**dict.fromkeys(first, 0), 8: 8}
+
+
 def test_a_long_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it():
     import threading
 
