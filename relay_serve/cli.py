@@ -295,6 +295,13 @@ def bench_cmd(
         dir_okay=False,
         help="the app (pair) to bench (default: configs/toy-wide-cpu.yaml's)",
     ),
+    auto_learn: int = typer.Option(
+        6,
+        "--auto-learn",
+        min=0,
+        help="auto runs this many times each level's concurrency of generations there before the rounds, not "
+        "measured (0: measure it from scratch)",
+    ),
     calibrate: bool = typer.Option(
         True, "--calibrate/--no-calibrate", help="calibrate the pair's cues first, into the bench's own store"
     ),
@@ -362,6 +369,7 @@ def bench_cmd(
         spec_schedule=schedule,
         requests_per_level=requests,
         rounds=rounds,
+        auto_learn=auto_learn,
         calibrate=calibrate,
         vllm_baseline=vllm_baseline,
         small_queue_bound=small_queue_bound or None,

@@ -95,6 +95,14 @@ class BenchSettings(BaseModel):
         "num_speculative_tokens_per_batch_size); "
         "None: spec_tokens at every batch size",
     )
+    auto_learn: int = Field(
+        6,
+        ge=0,
+        description="before a profile's rounds, every auto mode runs this many times each level's concurrency (at "
+        "least 16) of generations at that level, not measured, so that the rounds measure auto once it has learnt the "
+        "level, as a service does after its first minutes (a level learns from a block of each path, each twice its "
+        "size); 0: measure it from scratch",
+    )
     calibrate: bool = Field(True, description="calibrate the pair's cues first (into the bench's own cue store)")
     vllm_baseline: bool = Field(True, description="also run the large model on vLLM's own OpenAI server")
     small_queue_bound: int | None = Field(
@@ -332,6 +340,7 @@ def rounds(
     modes = list(found)
     for mode, t in found.items():  # warm up every engine and the prefix caches' empty state
         asyncio.run(fire(t.base, _bodies(s, mode, t.model, problems[:4], sampling=sampling), 4))
+    learn_auto(found, s, problems, progress, sampling)
     runs = []
     with tqdm(
         total=s.rounds * len(s.concurrency) * len(modes), desc=f"{desc} ({sampling})", disable=not progress
@@ -343,6 +352,35 @@ def rounds(
                     runs.append(measure(found[mode], mode, s, problems, c, k, sampling))
                     bar.update(1)
     return runs
+
+
+def learning_requests(s: BenchSettings, concurrency: int) -> int:
+    """Generations an ``auto`` mode runs at a level before the rounds (``BenchSettings.auto_learn``)."""
+    return max(16, s.auto_learn * concurrency) if s.auto_learn else 0
+
+
+def learn_auto(
+    found: dict[str, Target], s: BenchSettings, problems: list[Problem], progress: bool, sampling: str
+) -> dict[str, int]:
+    """Every ``auto`` mode runs ``learning_requests`` generations at each level, not measured (the
+    seeds of a round that is not measured); a mode its app refuses (every one failed) stops at
+    once. Returns the generations that each mode ran."""
+    from tqdm import tqdm
+
+    learners = {mode: t for mode, t in found.items() if t.model == "auto"}
+    ran = dict.fromkeys(learners, 0)
+    if not s.auto_learn:
+        return ran
+    with tqdm(total=len(learners) * len(s.concurrency), desc=f"auto learns ({sampling})", disable=not progress) as bar:
+        for mode, t in learners.items():
+            for c in s.concurrency:
+                chosen = [problems[i % len(problems)] for i in range(learning_requests(s, c))]
+                results, _ = asyncio.run(fire(t.base, _bodies(s, mode, t.model, chosen, s.rounds, sampling), c))
+                ran[mode] += len(results)
+                bar.update(1)
+                if all("_error" in r for r in results):
+                    break
+    return ran
 
 
 def variant_rounds(

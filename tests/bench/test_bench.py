@@ -422,3 +422,40 @@ def test_the_sweep_serves_the_shortest_exact_draft_within_two_percent_of_the_fas
     assert [report.best_k(b) for b in (1, 8, 32, 64)] == [8, 8, 2, 2]  # 12 is faster at 1, but within 2%
     assert report.schedule() == [[1, 31, 8], [32, 1 << 16, 2]]
     assert "1-31" not in report.table() and "[[1, 31, 8], [32, 65536, 2]]" in report.table()
+
+
+def test_auto_modes_learn_every_level_before_the_rounds(monkeypatch):
+    """Only the auto modes learn, at each level with max(16, auto_learn x level) generations at that
+    concurrency, on seeds of no measured round; a mode its app refuses stops at its first level;
+    auto_learn 0 runs nothing."""
+    from relay_serve.bench import bench
+    from relay_serve.bench.bench import BenchSettings, Target, learn_auto
+    from relay_serve.eval.datasets import load_problems
+
+    calls = []
+
+    async def fake_fire(base, bodies, concurrency):
+        calls.append((base, len(bodies), concurrency, {b["seed"] for b in bodies}))
+        if base == "spec":  # the speculative app refuses sampled requests
+            return [{"_error": "HTTP 400: temperature", "_status": 400} for _ in bodies], 0.1
+        return [{"choices": []} for _ in bodies], 0.1
+
+    monkeypatch.setattr(bench, "fire", fake_fire)
+    found = {
+        "large": Target(base="main", model="large"),
+        "auto": Target(base="main", model="auto"),
+        "relay+spec": Target(base="spec", model="relay"),
+        "auto+spec": Target(base="spec", model="auto"),
+    }
+    s = BenchSettings(concurrency=[1, 8, 32], rounds=2, auto_learn=6, seed=0)
+    ran = learn_auto(found, s, load_problems("toy", 64), progress=False, sampling="paper")
+    assert ran == {"auto": 16 + 48 + 192, "auto+spec": 16}
+    assert [(b, n, c) for b, n, c, _ in calls] == [("main", 16, 1), ("main", 48, 8), ("main", 192, 32), ("spec", 16, 1)]
+    measured_seeds = {s.seed + 1000 * k + i for k in range(s.rounds) for i in range(192)}
+    assert all(not seeds & measured_seeds for *_, seeds in calls)
+    calls.clear()
+    assert learn_auto(found, s.model_copy(update={"auto_learn": 0}), [], progress=False, sampling="paper") == {
+        "auto": 0,
+        "auto+spec": 0,
+    }
+    assert calls == []
