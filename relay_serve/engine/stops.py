@@ -177,6 +177,10 @@ class PauseTokens:
             last_ahead = _looks_ahead(s, word_stops)
             splits: list[int] = []
             for j in range(max(1, len(s) - n), len(s)):  # the splits a token can complete
+                if n < j < len(s) - 1:  # no token ends a prefix this long: looked ahead (on its pieces) if any
+                    if self._automaton.match(s[j:]):  # token starts with the rest (a walk of the texts' trie, in C)
+                        splits.append(j)
+                    continue
                 lo, hi = starting.range_of(s[j:])  # tokens that start with the rest
                 end_lo, end_hi = ending.range_of(s[j - 1 :: -1]) if j <= n else (0, 0)  # that end the prefix
                 if j == len(s) - 1:  # a rest of one character: the rule of the stop's kind
