@@ -484,18 +484,24 @@ def test_auto_runs_each_generation_as_relay_or_large_and_learns_their_speed():
     assert r.status_code == 400 and r.json()["error"]["param"] == "relay_cues"
 
 
+def auto_burst(router, n: int = 8) -> list:
+    """``n`` auto requests sent at once to ``router``; their responses."""
+
+    async def go():
+        transport = httpx.ASGITransport(app=router.api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat("auto", seed=i)) for i in range(n)))
+
+    return asyncio.run(go())
+
+
 def test_auto_generations_that_ran_together_teach_the_load_they_ran_under():
     """Eight auto requests sent at once start with 1 to 8 in flight but all run beside each other:
     what they learn is level 8's, not that of the load each one started at."""
     router, backend = make_router()
     backend.delay_s = 0.005
 
-    async def go():
-        transport = httpx.ASGITransport(app=router.api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat("auto", seed=i)) for i in range(8)))
-
-    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    assert all(r.status_code == 200 for r in auto_burst(router))
     taught = {
         level: sum(f["samples"] for f in figures.values())
         for level, figures in call(router, "GET", "/v1/relay/stats").json()["auto"].items()
@@ -511,18 +517,13 @@ def test_auto_chooses_a_burst_at_the_level_of_the_last_burst():
     router, backend = make_router()
     backend.delay_s = 0.005
 
-    async def go():
-        transport = httpx.ASGITransport(app=router.api)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat("auto", seed=i)) for i in range(8)))
-
     def started() -> dict[int, int]:
         return {size: sum(level.started.values()) for size, level in router.generations.auto.levels.items()}
 
-    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    assert all(r.status_code == 200 for r in auto_burst(router))
     first = started()
     assert sum(first.values()) == 8
-    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    assert all(r.status_code == 200 for r in auto_burst(router))
     second = started()
     assert {size: second[size] - first.get(size, 0) for size in second} == {**dict.fromkeys(first, 0), 8: 8}
 
