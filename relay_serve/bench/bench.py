@@ -356,7 +356,7 @@ def rounds(
 
 def learning_requests(s: BenchSettings, concurrency: int) -> int:
     """Generations an ``auto`` mode runs at a level before the rounds (``BenchSettings.auto_learn``)."""
-    return max(16, s.auto_learn * concurrency) if s.auto_learn else 0
+    return max(16, s.auto_learn * concurrency)
 
 
 def learn_auto(
@@ -364,7 +364,7 @@ def learn_auto(
 ) -> dict[str, int]:
     """Every ``auto`` mode runs ``learning_requests`` generations at each level, not measured (the
     seeds of a round that is not measured); a mode its app refuses (every one failed) stops at
-    once. Returns the generations that each mode ran."""
+    once; none with ``auto_learn`` 0. Returns the generations that each mode ran."""
     from tqdm import tqdm
 
     learners = {mode: t for mode, t in found.items() if t.model == "auto"}

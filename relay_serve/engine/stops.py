@@ -90,7 +90,8 @@ class PauseTokens:
     the other ids of a text several tokens decode to are kept beside it). The pause ids of a stop
     list then come from range lookups: tokens that start with a string (a range of the sorted
     texts), end with one (of the reversed), hold one (of the suffixes); and from one pass of the
-    automaton over a stop for the tokens that are a piece of it. The ids are joined by numpy. A
+    automaton over a stop for the tokens that are a piece of it (the automaton's trie also says
+    whether any token starts with a rest whose prefix no token can end). The ids are joined by numpy. A
     query costs the log of the vocabulary's size per string looked up plus the ids it finds, never
     a pass over the vocabulary; no string longer than the longest text is looked up.
     :meth:`lookup` runs a stop list never seen in a worker thread, off the caller's event loop."""
