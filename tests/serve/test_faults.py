@@ -75,22 +75,31 @@ def replicas(deployment: str) -> list[str]:
 
 
 def kill_one(deployment: str, busy_within_s: float = 5.0) -> str:
-    """Kill a replica of ``deployment``: the first one seen with a segment in its engine (asked by
-    ``info`` through the deployment's handle, which answers from any replica), else after
-    ``busy_within_s`` the first by name."""
+    """Kill the replica of ``deployment`` with the most segments in its engine, asked of each
+    replica's actor directly (``record_routing_stats``); if none has one within ``busy_within_s``,
+    the first by name. A call through the deployment's handle cannot choose: Serve sends it to the
+    replica with the fewest ongoing calls, the idler one, whose few short segments may end before
+    the kill lands."""
     import ray
-    from ray import serve
 
-    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
-    handle = serve.get_deployment_handle(deployment, app_name=APP)
-    name, deadline = None, time.monotonic() + busy_within_s
-    while name is None and time.monotonic() < deadline:
-        info = handle.info.remote().result(timeout_s=5)
-        if info["requests_in_flight"] > 0:
-            name = prefix + info["replica_id"]
-    name = name if name in replicas(deployment) else replicas(deployment)[0]
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    return name
+    from relay_serve.replica.load import ENGINE_LOAD
+
+    deadline = time.monotonic() + busy_within_s
+    while True:
+        names = replicas(deployment)
+        calls = {name: ray.get_actor(name, namespace="serve").record_routing_stats.remote() for name in names}
+        load = {}
+        for name, call in calls.items():
+            try:
+                load[name] = ray.get(call, timeout=5)[ENGINE_LOAD]
+            except Exception:  # a replica starting or stopping
+                load[name] = 0.0
+        busiest = max(names, key=lambda name: load[name])
+        if load[busiest] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(busiest, namespace="serve"), no_restart=True)
+    return busiest
 
 
 def wait_for_replicas(deployment: str, n: int, timeout_s: float = 180) -> None:
