@@ -80,7 +80,7 @@ def markdown(report: BenchReport) -> str:
             "",
         ]
         lines += matrix(r, sampling)
-        lines += ["", *_speedups(r, sampling)]
+        lines += ["", *_speedups(r, sampling), *_auto(r, sampling)]
     lines += [
         "",
         "Every mode:",
@@ -188,6 +188,27 @@ def _speedups(r: BenchReport, sampling: str) -> list[str]:
             + ".",
         ]
     return lines
+
+
+def _auto(r: BenchReport, sampling: str) -> list[str]:
+    """Each auto mode against the best fixed mode it chooses between (none: no lines)."""
+    rows = [
+        f"| {lv.concurrency} | {mode} | {a.best} | {a.p50_ratio.text()} | {lv.modes[mode].auto_relay_share.text()} |"
+        for lv in r.levels
+        if lv.sampling == sampling
+        for mode, a in lv.auto.items()
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "`auto` against the best fixed mode it chooses between (that mode's p50 latency over auto's, per round; 1: as "
+        "fast):",
+        "",
+        "| concurrency | auto mode | best fixed mode | best p50 / auto p50 | share run as relay |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _variants(r: BenchReport) -> list[str]:

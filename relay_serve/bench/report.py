@@ -25,6 +25,8 @@ MODELS = ("large", "small")
 SPEC = "+spec"  # a mode on the app whose large engine speculates (large+spec, relay+spec, auto+spec)
 # relay (or auto) modes and the single-model mode on the same engines they are measured against
 PAIRS = {"relay": "large", "relay+spec": "large+spec", "auto": "large", "auto+spec": "large+spec"}
+# each auto mode and the fixed modes on the same engines it chooses between
+AUTO_CHOICES = {"auto": ("relay", "large"), "auto+spec": ("relay+spec", "large+spec")}
 # modes that write the same text under greedy sampling: engines with and without speculation, relay-serve and vLLM
 SAME_TEXT = (("large", "large+spec"), ("relay", "relay+spec"), ("large", "vllm-large"))
 
@@ -274,6 +276,13 @@ class Speedup(BaseModel):
     measurement_error: bool = Field(description=f"a round's achieved / ideal exceeded {RATIO_LIMIT}")
 
 
+class AutoAgainstBest(BaseModel):
+    """An auto mode against the best fixed mode it chooses between, at one level."""
+
+    best: str = Field(description="the fixed mode with the lowest median p50 (pass@1 within 0.03 of the best)")
+    p50_ratio: Spread = Field(description="the best mode's p50 latency over the auto mode's, per round (1: as fast)")
+
+
 class LevelReport(BaseModel):
     concurrency: int
     sampling: str = Field("paper", description="the sampling profile of every run at this level")
@@ -291,6 +300,9 @@ class LevelReport(BaseModel):
     same_text: dict[str, float] = Field(
         default_factory=dict,
         description="greedy: of requests both modes answered, the share whose texts are identical ('a=b')",
+    )
+    auto: dict[str, AutoAgainstBest] = Field(
+        default_factory=dict, description="each auto mode against the best of the fixed modes it chooses between"
     )
 
     def best(self, modes: list[str] | None = None) -> str | None:
@@ -362,7 +374,7 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
         else {}
     )
     median_run = sorted(relay_runs, key=lambda r: r.s_per_token or 0.0)[len(relay_runs) // 2] if relay_runs else None
-    return LevelReport(
+    level = LevelReport(
         concurrency=concurrency,
         sampling=runs[0].sampling if runs else "paper",
         modes={mode: summarize_mode(rs) for mode, rs in by_mode.items()},
@@ -379,6 +391,22 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
             for a, b in SAME_TEXT
             if (share := _same_text(by_mode.get(a, []), by_mode.get(b, []))) is not None
         },
+    )
+    for mode, fixed in AUTO_CHOICES.items():
+        best = level.best(list(fixed)) if mode in level.modes and level.modes[mode].served else None
+        if best is not None:
+            level.auto[mode] = AutoAgainstBest(
+                best=best, p50_ratio=_p50_ratio([(one(best, k), one(mode, k)) for k in rounds])
+            )
+    return level
+
+
+def _p50_ratio(rounds: list[tuple[RunMetrics | None, RunMetrics | None]]) -> Spread:
+    """The first mode's p50 latency over the second's, per round both served. The best fixed
+    mode is chosen once over all rounds (a user fixes a mode), so this is not biased the way a
+    per-round minimum of several modes would be; pairing by round takes out the machine's drift."""
+    return Spread.of(
+        [a.latency_p50_s / b.latency_p50_s for a, b in rounds if a and b and a.latency_p50_s and b.latency_p50_s], 3
     )
 
 
@@ -495,6 +523,7 @@ class BenchReport(BaseModel):
                     if "relay" in lv.modes
                     else None,
                     "modes": modes(lv),
+                    "auto_over_best": {mode: a.p50_ratio.median for mode, a in lv.auto.items()},
                     "spec_acceptance_length": acceptance(lv),
                 }
                 for lv in levels

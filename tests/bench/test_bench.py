@@ -206,6 +206,7 @@ def test_report_files_and_summary_line(tmp_path):
         "vllm_large_p50_s",
         "router_overhead_per_switch_ms",
         "modes",
+        "auto_over_best",
         "spec_acceptance_length",
     }
     assert (
@@ -459,3 +460,38 @@ def test_auto_modes_learn_every_level_before_the_rounds(monkeypatch):
         "auto+spec": 0,
     }
     assert calls == []
+
+
+def test_auto_is_measured_against_the_fixed_mode_that_was_best_over_all_rounds():
+    """The best fixed mode is chosen once (lowest median p50), then compared with auto round by
+    round: in the round where large happened to beat relay, auto is still set against relay."""
+    from relay_serve.bench.render import markdown
+
+    large_p50, relay_p50, auto_p50 = (0.60, 0.30, 0.70), (0.40, 0.45, 0.38), (0.42, 0.44, 0.40)
+    runs = []
+    for k in range(3):
+        auto = relay_result(auto_p50[k])
+        auto["usage"]["relay"]["policy"] = "relay" if k else "large"
+        runs += [
+            run_metrics("large", 8, k, [single_result(large_p50[k], "large", 20, 0.02)], 1.0),
+            run_metrics("relay", 8, k, [relay_result(relay_p50[k])], 1.0),
+            run_metrics("auto", 8, k, [auto], 1.0),
+        ]
+    lv = level_report(8, runs)
+    assert set(lv.auto) == {"auto"}  # no auto+spec ran
+    assert lv.auto["auto"].best == "relay"  # median 0.40 against large's 0.60
+    ratios = sorted(r / a for r, a in zip(relay_p50, auto_p50, strict=True))
+    assert lv.auto["auto"].p50_ratio.median == pytest.approx(ratios[1], abs=1e-3)
+    assert lv.auto["auto"].p50_ratio.min == pytest.approx(ratios[0], abs=1e-3)
+    report = BenchReport(
+        started="t",
+        machine="m",
+        command="relay-serve bench",
+        settings={"rounds": 3},
+        pair=PairInfo(large="a", small="b"),
+        levels=[lv],
+        runs=runs,
+    )
+    (line,) = report.summaries()
+    assert line["levels"][0]["auto_over_best"] == {"auto": lv.auto["auto"].p50_ratio.median}
+    assert f"| 8 | auto | relay | {lv.auto['auto'].p50_ratio.text()} | 1 [0-1] |" in markdown(report)
