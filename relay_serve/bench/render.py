@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from relay_serve.bench.report import RATIO_LIMIT, BenchReport, LevelReport, Spread
+from relay_serve.bench.report import RATIO_LIMIT, SPLIT, BenchReport, LevelReport, Spread
 
 MODE_ORDER = (
     "large",
@@ -120,22 +120,17 @@ def markdown(report: BenchReport) -> str:
     lines += [
         "",
         "Where a relay request's time goes (ms, mean a request): its tokens at their models' decode cost, the rest of "
-        "the time "
-        "inside the engines (handoffs: prefill of the other model's tokens, waiting for a first token), the router, "
-        "and outside "
-        "the router (HTTP, Serve's proxy):",
+        "the time inside the engines: the generation's first token (its prompt's prefill and the wait for it, as the "
+        "large model alone pays) and the handoffs (prefill of the other model's tokens, a resumed segment's wait for "
+        "its first token, pauses), the router, and outside the router (HTTP, Serve's proxy):",
         "",
-        "| sampling | concurrency | decode | handoffs | router | outside the router |",
-        "|---|---|---|---|---|---|",
+        "| sampling | concurrency | decode | first token | handoffs | router | outside the router |",
+        "|---|---|---|---|---|---|---|",
     ]
     for lv in r.levels:
         sp = lv.relay_split_ms
         if sp:
-            lines.append(
-                f"| {lv.sampling} | {lv.concurrency} | {sp['decode'].text()} | {sp['handoffs'].text()} | "
-                f"{sp['router'].text()} | "
-                f"{sp['outside'].text()} |"
-            )
+            lines.append(f"| {lv.sampling} | {lv.concurrency} | " + " | ".join(sp[key].text() for key in SPLIT) + " |")
     lines += [
         "",
         "What a handoff costs inside the engine (relay, the median round): segments after a generation's first, their "
@@ -339,6 +334,7 @@ def plots(report: BenchReport, out: Path) -> list[Path]:
             bottom = [0.0] * len(split_levels)
             for key, label in (
                 ("decode", "decode steps"),
+                ("first_token", "first token (in the engines)"),
                 ("handoffs", "handoffs (in the engines)"),
                 ("router", "router"),
                 ("outside", "outside the router"),

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 RATIO_LIMIT = 1.05
 MODELS = ("large", "small")
+SPLIT = ("decode", "first_token", "handoffs", "router", "outside")  # a relay request's time, in order
 SPEC = "+spec"  # a mode on the app whose large engine speculates (large+spec, relay+spec, auto+spec)
 # relay (or auto) modes and the single-model mode on the same engines they are measured against
 PAIRS = {"relay": "large", "relay+spec": "large+spec", "auto": "large", "auto+spec": "large+spec"}
@@ -108,7 +109,9 @@ class RunMetrics(BaseModel):
     )
     handoff: dict[str, HandoffCost] = Field(default_factory=dict)
     split_ms: dict[str, float] | None = Field(
-        None, description="a request's mean time: decode, handoffs, router, outside"
+        None,
+        description="a request's mean time (ms): its tokens at their decode cost, its first token (the first engine "
+        "request's), the rest inside the engines (handoffs), the router, outside the router",
     )
     false_stops_per_request: float | None = Field(
         None, description="segments ended on a cue's stop string where no cue was"
@@ -180,9 +183,13 @@ def run_metrics(
     if sum(tokens) and all(u[f"{x}_tokens"] == 0 or x in m.decode_ms_per_token for u in relay for x in MODELS):
         decode_s = [sum(u[f"{x}_tokens"] * m.decode_ms_per_token.get(x, 0.0) / 1000 for x in MODELS) for u in relay]
         m.ideal_s_per_token = _round(sum(decode_s) / sum(tokens), 6)
+        # the generation's first token (its prompt's prefill and the wait for it): paid by the large model alone too
+        first = [reqs[0]["ttft_s"] or 0.0 for r in ok if (reqs := r.get("relay_engine_requests"))]
+        first_s = statistics.fmean(first) if first else 0.0
         m.split_ms = {
             "decode": _ms(statistics.fmean(decode_s)),
-            "handoffs": _ms(statistics.fmean(u["engine_s"] for u in relay) - statistics.fmean(decode_s)),
+            "first_token": _ms(first_s),
+            "handoffs": _ms(statistics.fmean(u["engine_s"] for u in relay) - statistics.fmean(decode_s) - first_s),
             "router": _ms(statistics.fmean(u["wall_s"] - u["engine_s"] for u in relay)),
             "outside": _ms(statistics.fmean(lat) - statistics.fmean(u["wall_s"] for u in relay)),
         }
@@ -251,7 +258,9 @@ class ModeSummary(BaseModel):
     router_overhead_per_switch_ms_p50: Spread
     false_stops_per_request: Spread
     pauses_per_request: Spread
-    handoffs_ms: Spread = Field(description="a request's time inside the engines beyond its tokens' decode cost")
+    handoffs_ms: Spread = Field(
+        description="a request's time inside the engines beyond its tokens' decode cost and its first token"
+    )
     kept_on_large_per_request: Spread
     decode_ms_per_token: dict[str, Spread]
     spec_acceptance_length: Spread = Field(
@@ -365,14 +374,7 @@ def level_report(concurrency: int, runs: list[RunMetrics]) -> LevelReport:
         over="large", speedup=Spread(), ideal=Spread(), achieved_over_ideal=Spread(), measurement_error=False
     )
     relay_runs = [r for r in by_mode.get("relay", []) if r.split_ms]
-    split = (
-        {
-            key: Spread.of([r.split_ms[key] for r in relay_runs], 2)
-            for key in ("decode", "handoffs", "router", "outside")
-        }
-        if relay_runs
-        else {}
-    )
+    split = {key: Spread.of([r.split_ms[key] for r in relay_runs], 2) for key in SPLIT} if relay_runs else {}
     median_run = sorted(relay_runs, key=lambda r: r.s_per_token or 0.0)[len(relay_runs) // 2] if relay_runs else None
     level = LevelReport(
         concurrency=concurrency,
