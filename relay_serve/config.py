@@ -120,6 +120,22 @@ class ModelSettings(Strict):
         description="passed through to vLLM's AsyncEngineArgs (dtype, max_model_len, speculative_config, ...)",
     )
     deployment: ModelDeploymentSettings = Field(default_factory=default_model_deployment)
+    spare_token_ids: list[int] | None = Field(
+        None,
+        description="token ids the model never writes: a resumable engine request stops on them as stand-ins for the "
+        "tokens that complete a cue or a sentence end (the look-ahead inside the engine, engine/vllm_swaps.py) and "
+        "masks them otherwise; None: the ids of the model's output layer past its tokenizer's vocabulary (a toy model: "
+        "the tokens holding a character the toy world never writes); []: none (every look-ahead pauses)",
+    )
+
+    @property
+    def resolved_spare_token_ids(self) -> list[int] | None:
+        """``spare_token_ids``, a toy model's found from its tokenizer (None: the engine's own)."""
+        if self.spare_token_ids is None and (self.tokenizer or self.model).startswith(TOY_PREFIX):
+            from relay_serve.toy.tokenizer import spare_token_ids
+
+            return spare_token_ids(self.tokenizer_path)
+        return self.spare_token_ids
 
     @property
     def model_path(self) -> str:

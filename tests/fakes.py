@@ -167,6 +167,7 @@ class FakeResumableEngine(Engine):
         self.script = script
         self.requests: list[FakeResumable] = []
         self.delay_s = 0.0  # between the tokens of a chunk
+        self.spare: list[int] = []  # ids the script never writes: with some, stops are looked ahead as vLLM's swaps do
 
     def can_resume(self) -> bool:
         return True
@@ -177,6 +178,9 @@ class FakeResumableEngine(Engine):
 
     def token_texts(self) -> list[str]:
         return list(self.codec.pieces)
+
+    def spare_ids(self) -> list[int]:
+        return list(self.spare)
 
     def decode(self, token_ids) -> str:
         return self.codec.decode(token_ids)
@@ -222,12 +226,13 @@ class FakeResumable:
         self.feeds: list[list[int]] = []
         self.closed = False
 
-    async def chunk(self, token_ids, max_tokens, pause_ids, sampling):
+    async def chunk(self, token_ids, max_tokens, pause_ids, sampling, continued=False):
         from relay_serve.engine.base import ChunkOutput
 
         assert not self.closed and token_ids, "a chunk must feed tokens to an open request"
         self.feeds.append(list(token_ids))
         self.held += token_ids
+        swaps = getattr(pause_ids, "swaps", {}) if self.engine.spare else {}
         for n in range(max_tokens):
             pieces = self.engine.next_pieces(self.held)
             if not pieces:
@@ -235,8 +240,13 @@ class FakeResumable:
                 return
             await asyncio.sleep(self.engine.delay_s)
             tid = pieces[0]
-            if tid in pause_ids or n == max_tokens - 1:
-                yield ChunkOutput([tid], finish="stop" if tid in pause_ids else "length", decode_steps=n)  # not held
+            # vllm_swaps.py: after a trigger (the last token written, or fed after a pause) a completing
+            # token is drawn as its stand-in, which the chunk stops on; the engine gives back the token
+            last = self.held[-1] if n > 0 or continued else None
+            swapped = any(c == tid for c, _ in swaps.get(last, ()))
+            if tid in pause_ids or swapped or n == max_tokens - 1:
+                stop = tid in pause_ids or swapped
+                yield ChunkOutput([tid], finish="stop" if stop else "length", decode_steps=n)  # not held
                 return
             self.held.append(tid)
             yield ChunkOutput([tid])

@@ -139,7 +139,12 @@ class _InstantRequest(ResumableRequest):
         self.held = 0
 
     async def chunk(
-        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        pause_ids: Collection[int],
+        sampling: SamplingSettings,
+        continued: bool = False,
     ) -> AsyncIterator[ChunkOutput]:
         if not self.held:
             self.trace = _TRACES[tuple(token_ids[:_KEY])]

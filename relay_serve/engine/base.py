@@ -1,5 +1,5 @@
-"""The engine interface a ModelServer wraps. Implemented by VLLMEngine (vllm_engine.py, the only
-module that imports vLLM) and by fakes in the tests.
+"""The engine interface a ModelServer wraps. Implemented by VLLMEngine (vllm_engine.py and its
+logits processor vllm_swaps.py: the only modules that import vLLM) and by fakes in the tests.
 
 Besides one request per segment (``generate``), an engine may offer *resumable* requests
 (``resumable``): one engine request that pauses at the end of every chunk of input and resumes
@@ -78,9 +78,18 @@ class ResumableRequest(ABC):
 
     @abstractmethod
     def chunk(
-        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        pause_ids: Collection[int],
+        sampling: SamplingSettings,
+        continued: bool = False,
     ) -> AsyncIterator[ChunkOutput]:
-        """Feed ``token_ids`` and stream what the request writes until this chunk ends."""
+        """Feed ``token_ids`` and stream what the request writes until this chunk ends.
+        ``continued``: the chunk goes on with the segment after a pause (its last fed token is the
+        segment's own, so a stop can complete with its first token); a ``PauseIds`` with swaps is
+        looked ahead inside an engine that has spare ids, which gives back the token a stand-in
+        stood for."""
 
     @abstractmethod
     async def close(self) -> None:
@@ -106,6 +115,12 @@ class Engine(ABC):
     def token_texts(self) -> list[str]:
         """The text of every token id alone (for the pause tokens of stop strings)."""
         raise NotImplementedError
+
+    def spare_ids(self) -> list[int]:
+        """Token ids the model never writes that its resumable requests take as stand-ins: the
+        look-ahead of a stop inside the engine (``PauseIds.swaps``). None here: every look-ahead
+        pauses."""
+        return []
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, as the engine's own stop-string check would see it."""

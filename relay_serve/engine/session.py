@@ -101,14 +101,16 @@ class EngineSession:
         last = EngineChunk(finished=True, finish_reason="length")
         cached = self.n_known
         ttft_s: float | None = None
-        decode_s, steps, pauses, lookahead = 0.0, 0, 0, False
+        decode_s, steps, pauses, lookahead, continued = 0.0, 0, 0, False, False
         # the segment's text as vLLM's detokenizer gives it: decoded a token at a time after a little left context
         left_context = self.seen[max(0, n_context - WINDOW) : n_context]
         before, text, detok = self.engine.decode(left_context), "", self.engine.stream(left_context)
         while True:
             new: list[int] = []
             out = None
-            async for out in resumable.chunk(feed, 1 if lookahead else left, pause_ids, request.sampling):
+            async for out in resumable.chunk(
+                feed, 1 if lookahead else left, pause_ids, request.sampling, continued=continued
+            ):
                 new += out.token_ids
                 if stream and out.token_ids:
                     yield EngineChunk(token_ids=out.token_ids)
@@ -142,7 +144,7 @@ class EngineSession:
                 -longest - 1 :
             ]  # all a stop's prefix and the character before it
             lookahead = lookahead_stops(tail, pause_ids.ahead, request.word_stops)
-            feed = new[-1:]
+            feed, continued = new[-1:], True
         timing = {
             "cached_tokens": cached,
             "ttft_s": ttft_s,

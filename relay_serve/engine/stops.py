@@ -28,7 +28,14 @@ every comma), completed for the others (``"</answer>"`` pauses on the tokens tha
 prefix as start its rest (a look-ahead that fires costs two pauses).
 
 The splits looked ahead are part of a stop list's pause ids (``PauseIds.ahead``): the check at a
-pause (:func:`lookahead_stops`) looks ahead for those and no others. :class:`PauseTokens` finds the
+pause (:func:`lookahead_stops`) looks ahead for those and no others.
+
+With *spare* ids (tokens the model never writes), a stop's look-ahead moves into the engine where
+its completing tokens fit: ``PauseIds.swaps`` maps each token that can end one of its looked-ahead
+prefixes (a *trigger*, no longer a pause id) to the tokens that start a split's rest, each with a
+spare id as its *stand-in* (a pause id); the engine draws the stand-in in the completing token's
+place after a trigger and gives the real token back (``vllm_swaps.py``). Stops are taken in list
+order, each wholly or not at all, while the stand-ins last; the others pause as above. :class:`PauseTokens` finds the
 pause token ids in an index of the vocabulary's texts; :func:`first_stop` and
 :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
@@ -55,11 +62,22 @@ class PauseIds(Set[int]):
     the same ids. ``ahead``: for each stop with splits caught by looking ahead, those splits (the
     lengths of the prefixes after which one more token is generated)."""
 
-    __slots__ = ("ordered", "ahead")
+    __slots__ = ("ordered", "ahead", "swaps", "real", "wire")
 
-    def __init__(self, ordered: list[int], ahead: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        ordered: list[int],
+        ahead: Mapping[str, tuple[int, ...]] | None = None,
+        swaps: Mapping[int, tuple[tuple[int, int], ...]] | None = None,
+    ) -> None:
         self.ordered = ordered
         self.ahead: Mapping[str, tuple[int, ...]] = ahead or {}
+        # looked ahead inside the engine: after a trigger token, each (completing token, stand-in) pair
+        self.swaps: Mapping[int, tuple[tuple[int, int], ...]] = swaps or {}
+        # a stand-in the request paused on -> the token it stood in for
+        self.real: Mapping[int, int] = {standin: c for pairs in self.swaps.values() for c, standin in pairs}
+        # the swaps as lists, made once: [[trigger, [completing...], [stand-in...]], ...]
+        self.wire = [[t, [c for c, _ in pairs], [s for _, s in pairs]] for t, pairs in self.swaps.items()]
 
     def __contains__(self, token_id: object) -> bool:
         if not isinstance(token_id, int):
@@ -74,7 +92,7 @@ class PauseIds(Set[int]):
         return len(self.ordered)
 
     def __repr__(self) -> str:
-        return f"PauseIds({len(self.ordered)} ids)"
+        return f"PauseIds({len(self.ordered)} ids, {len(self.swaps)} triggers)"
 
 
 NO_PAUSES = PauseIds([])
@@ -96,8 +114,9 @@ class PauseTokens:
     a pass over the vocabulary; no string longer than the longest text is looked up.
     :meth:`lookup` runs a stop list never seen in a worker thread, off the caller's event loop."""
 
-    def __init__(self, texts: Sequence[str], cache_size: int = 256) -> None:
+    def __init__(self, texts: Sequence[str], cache_size: int = 256, spare_ids: Sequence[int] = ()) -> None:
         self.texts = list(texts)
+        self.spare_ids = sorted(set(spare_ids))  # tokens the model never writes: stand-ins (see swaps)
         nonempty = [i for i, t in enumerate(self.texts) if t]
         self._prefixes = _Sorted(self.texts, nonempty)
         self._reversed = _Sorted([t[::-1] for t in self.texts], nonempty)
@@ -166,8 +185,10 @@ class PauseTokens:
         if not stops:
             return NO_PAUSES
         parts: list[np.ndarray] = []
-        pieces: list[int] = []  # ids of tokens that are a piece of a stop's prefix (a text's first id)
         ahead: dict[str, tuple[int, ...]] = {}
+        swaps: dict[int, set[int]] = {}  # trigger -> the tokens that complete a stop after it (in the engine)
+        swapped: set[int] = set()  # every completing token given a stand-in so far
+        spare = np.array(self.spare_ids, dtype=np.int32)
         n = self._longest
         starting, ending = self._prefixes, self._reversed
         for s in stops:
@@ -177,10 +198,15 @@ class PauseTokens:
             lead = _word_tail(s[::-1])  # how many word characters the stop starts with
             last_ahead = _looks_ahead(s, word_stops)
             splits: list[int] = []
+            triggers: list[np.ndarray] = []  # tokens that can end a prefix looked ahead
+            completing: list[np.ndarray] = []  # tokens that start the rest of a split looked ahead
             for j in range(max(1, len(s) - n), len(s)):  # the splits a token can complete
                 if n < j < len(s) - 1:  # no token ends a prefix this long: looked ahead (on its pieces) if any
                     if self._automaton.match(s[j:]):  # token starts with the rest (a walk of the texts' trie, in C)
                         splits.append(j)
+                        if len(spare):
+                            lo, hi = starting.range_of(s[j:])
+                            completing.append(starting.ids[lo:hi])
                     continue
                 lo, hi = starting.range_of(s[j:])  # tokens that start with the rest
                 end_lo, end_hi = ending.range_of(s[j - 1 :: -1]) if j <= n else (0, 0)  # that end the prefix
@@ -193,33 +219,47 @@ class PauseTokens:
                         parts.append(starting.ids[lo:hi])
                     continue
                 splits.append(j)
+                completing.append(starting.ids[lo:hi])
                 if end_hi == end_lo:
                     continue
                 ends = ending.ids[end_lo:end_hi]
                 if not at_word_start:
-                    parts.append(ends)
+                    triggers.append(ends)
                 elif j <= lead:  # the prefix is all word characters: no word character before it
-                    parts.append(ends[self._tail_word[ends] == j])
+                    triggers.append(ends[self._tail_word[ends] == j])
                 else:
                     prefix = s[:j]
-                    parts.append(
+                    triggers.append(
                         np.array([i for i in ends.tolist() if _ends_with(self.texts[i], prefix, True)], dtype=np.int32)
                     )
-            if splits:
+            if not splits:
+                continue
+            # tokens that are exactly a piece of a prefix spread over several, and the others of their texts
+            pieces = self._pieces(s, frozenset(splits))
+            triggers.append(np.array(pieces, dtype=np.int32))
+            triggers.extend(np.array(self._same_text[i], dtype=np.int32) for i in self._same_text.keys() & pieces)
+            needed = set(np.setdiff1d(np.concatenate(completing), spare).tolist()) if len(spare) else set()
+            if needed and len(swapped | needed) <= len(spare):  # a stand-in for each: looked ahead inside the engine
+                swapped |= needed
+                for t in np.setdiff1d(np.concatenate(triggers), spare).tolist():
+                    swaps.setdefault(t, set()).update(needed)
+            else:  # paused on: the check at the pause looks ahead
                 ahead[s] = tuple(splits)
-                # tokens that are exactly a piece of a prefix spread over several
-                pieces += self._pieces(s, frozenset(splits))
-        if pieces:
-            parts.append(np.array(pieces, dtype=np.int32))
-            if self._same_text:  # the other tokens of those texts
-                parts.extend(np.array(self._same_text[i], dtype=np.int32) for i in self._same_text.keys() & pieces)
+                parts.extend(triggers)
         if any(not s.isascii() for s in stops):
             parts.append(self._partial)
+        standin = dict(zip(sorted(swapped), self.spare_ids, strict=False))
+        if standin:
+            parts.append(np.array(list(standin.values()), dtype=np.int32))  # the request stops on a stand-in
         if not parts:
             return PauseIds([], ahead)
         marked = np.zeros(len(self.texts), dtype=bool)  # 152 kB for Qwen3: set in C, faster than a sort or a hash
         marked[np.concatenate(parts)] = True
-        return PauseIds(self._id_objects[np.flatnonzero(marked)].tolist(), ahead)
+        return PauseIds(
+            self._id_objects[np.flatnonzero(marked)].tolist(),
+            ahead,
+            {t: tuple((c, standin[c]) for c in sorted(cs)) for t, cs in swaps.items() if cs},
+        )
 
     def _pieces(self, stop: str, splits: Collection[int]) -> list[int]:
         """The first ids of the texts that are some ``stop[i:j]`` (1 <= i < j, ``j`` one of

@@ -1,4 +1,5 @@
-"""vLLM's AsyncLLM behind the Engine interface. The only module of relay-serve that imports vLLM."""
+"""vLLM's AsyncLLM behind the Engine interface. With vllm_swaps.py (the logits processor vLLM's
+engine core loads), the only modules of relay-serve that import vLLM."""
 
 from __future__ import annotations
 
@@ -35,16 +36,23 @@ class VLLMEngine(Engine):
         tokenizer: str | None = None,
         engine_args: dict[str, Any] | None = None,
         ray_metrics: bool = False,
+        spare_ids: Sequence[int] | None = None,
     ) -> None:
         """``ray_metrics``: vLLM's own metrics (running and waiting requests, KV cache usage,
         prefix-cache queries and hits, latencies) go through Ray's metrics export (``ray_vllm_*``)
-        instead of the process's Prometheus registry: a Ray Serve replica passes it."""
+        instead of the process's Prometheus registry: a Ray Serve replica passes it.
+        ``spare_ids``: token ids the model never writes, the stand-ins of the look-ahead inside the
+        engine (``vllm_swaps.py``); None: the ids of its output layer past its tokenizer's."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from relay_serve.engine.vllm_swaps import QUALNAME
 
         args = {"enable_prefix_caching": True, **(engine_args or {})}
         self.model = model
         spec = args.get("speculative_config")
+        if not spec and spare_ids != []:  # resumable requests: the look-ahead inside the engine
+            args["logits_processors"] = [*(args.get("logits_processors") or []), QUALNAME]
         self.spec_counts = SpecDecodeCounts() if spec else None
         loggers = _stat_loggers(ray_metrics) or []
         if self.spec_counts is not None:
@@ -60,6 +68,13 @@ class VLLMEngine(Engine):
         # (AssertionError `num_new_tokens > 0` in the scheduler; `python -m relay_serve.bench.spec_sweep`
         # shows it): such an engine takes a new request per segment.
         self._resumable = not spec
+        self._vocab_size = int(self.engine.model_config.get_vocab_size())
+        if not self._resumable:
+            self._spare: list[int] = []
+        elif spare_ids is None:
+            self._spare = list(range(len(self._tokenizer), self._vocab_size))
+        else:
+            self._spare = [i for i in spare_ids if 0 <= i < self._vocab_size]
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -123,7 +138,12 @@ class VLLMEngine(Engine):
         return VLLMResumable(self.engine, request_id)
 
     def token_texts(self) -> list[str]:
-        return [self._tokenizer.decode([i]) for i in range(len(self._tokenizer))]
+        """Every id of the model's output layer: those past its tokenizer's vocabulary are no text."""
+        n = min(len(self._tokenizer), self._vocab_size)
+        return [self._tokenizer.decode([i]) for i in range(n)] + [""] * (self._vocab_size - n)
+
+    def spare_ids(self) -> list[int]:
+        return list(self._spare)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -166,14 +186,22 @@ class VLLMResumable(ResumableRequest):
             self._outputs.put_nowait(e)
 
     async def chunk(
-        self, token_ids: list[int], max_tokens: int, pause_ids: Collection[int], sampling: SamplingSettings
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        pause_ids: Collection[int],
+        sampling: SamplingSettings,
+        continued: bool = False,
     ) -> AsyncIterator[ChunkOutput]:
         from vllm.engine.protocol import StreamingInput
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from relay_serve.engine.vllm_swaps import CONTINUED, SWAPS
+
         if self._closed:
             raise RuntimeError("the resumable request is closed")
+        swaps = pause_ids if isinstance(pause_ids, PauseIds) and pause_ids.swaps else None
         params = _sampling_params(
             sampling,
             max_tokens,
@@ -181,6 +209,7 @@ class VLLMResumable(ResumableRequest):
             stop_token_ids=(pause_ids.ordered if isinstance(pause_ids, PauseIds) else sorted(pause_ids)) or None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            extra_args={SWAPS: swaps.wire, CONTINUED: continued} if swaps is not None else None,
         )
         self._inputs.put_nowait(StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids), sampling_params=params))
         if self._task is None:
@@ -199,8 +228,11 @@ class VLLMResumable(ResumableRequest):
             if comp.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"the resumable request ended a chunk with {comp.finish_reason!r}")
             ttft_s, decode_s, steps = _timing(out, written)
+            ids = list(comp.token_ids)
+            if swaps is not None and ids and ids[-1] in swaps.real:  # paused on a stand-in: the token it stood for
+                ids[-1] = swaps.real[ids[-1]]
             yield ChunkOutput(
-                token_ids=list(comp.token_ids),
+                token_ids=ids,
                 finish=comp.finish_reason,
                 # not stop_reason: a resumable request keeps the stop token of an earlier chunk there
                 eos=comp.finish_reason == "stop" and last_id not in pause_ids,

@@ -56,7 +56,9 @@ class ModelServer:
         if engine_cls is None:
             from relay_serve.engine.vllm_engine import VLLMEngine
 
-            self.engine: Engine = VLLMEngine(*args, ray_metrics=node_id() is not None)
+            self.engine: Engine = VLLMEngine(
+                *args, ray_metrics=node_id() is not None, spare_ids=cfg.resolved_spare_token_ids
+            )
         else:
             self.engine = engine_cls(*args)
         self.role = role
@@ -71,7 +73,9 @@ class ModelServer:
         # what sampling the engine runs correctly: a segment outside it never reaches the engine
         self.traits = self.engine.info().traits
         self.resumable = self.engine.can_resume()
-        self._pauses = PauseTokens(self.engine.token_texts()) if self.resumable else None
+        self._pauses = (
+            PauseTokens(self.engine.token_texts(), spare_ids=self.engine.spare_ids()) if self.resumable else None
+        )
         if self._pauses is not None:
             # what start-up built (vLLM's and torch's modules, the engine, the pause index) lives as long
             # as the replica: out of the collector's sight, or every full collection walks its hundreds of

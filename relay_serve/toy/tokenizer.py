@@ -68,3 +68,19 @@ def load_tokenizer(path: Path = TOKENIZER_DIR):  # -> PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def spare_token_ids(path: str, world: ToyWorld | None = None) -> list[int]:
+    """The toy tokenizer's ids the toy models never write: every token (not a special one) whose
+    text holds a character that no text of the toy world has (``$``, ``A``, ``é``, ...). The
+    engine uses them as stand-ins (``engine/vllm_swaps.py``) and masks them in relay segments."""
+    from relay_serve.tokenizer import load_codec
+
+    alphabet = set("".join((world or ToyWorld()).corpus()))
+    tokenizer = load_codec(path).tokenizer
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return [
+        i
+        for i in range(len(tokenizer))
+        if i not in special and not set(tokenizer.decode([i], clean_up_tokenization_spaces=False)) <= alphabet
+    ]

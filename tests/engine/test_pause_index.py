@@ -195,3 +195,52 @@ def test_a_split_is_caught_the_way_that_pauses_on_fewer_tokens():
     every_split_ahead = {s: range(1, len(s)) for s in stops}
     assert len(found) * 5 < len(scan_pause_ids(texts, stops, ahead=every_split_ahead))
     assert all(js[-1] == len(s) - 1 for s, js in found.ahead.items())  # the split before the space is looked ahead
+
+
+def _ends_prefix(text: str, prefix: str, word_start: bool) -> bool:
+    """``text`` ends with ``prefix``, at a word start if ``word_start``."""
+    before = text[: len(text) - len(prefix)][-1:] or " "
+    return text.endswith(prefix) and not (word_start and _word_char(before))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=texts_st,
+    stops=st.lists(stop_st, min_size=1, max_size=4),
+    word=st.lists(st.booleans(), min_size=4, max_size=4),
+    spare=st.lists(st.booleans(), min_size=60, max_size=60),
+)
+def test_with_spare_ids_every_way_to_complete_a_stop_is_still_caught(texts, stops, word, spare):
+    """With spare ids (tokens the model never writes) some stops are looked ahead inside the engine
+    (``PauseIds.swaps``): after a token that can end a stop's prefix (a trigger), each token that can
+    complete it is drawn as a stand-in the request stops on. Every pair of a token ``t`` that can
+    end a split's prefix and a token ``c`` that starts its rest must still be caught: ``c`` is a
+    pause id, or it has a stand-in after ``t``, or ``t`` is a pause id and the split is looked ahead
+    at the pause. Stand-ins are spare ids, one per completing token, and pause ids themselves."""
+    word_stops = frozenset(s for s, w in zip(stops, word, strict=False) if w)
+    spare_ids = [i for i, (t, sp) in enumerate(zip(texts, spare, strict=False)) if sp]
+    found = PauseTokens(texts, spare_ids=spare_ids).ids(tuple(stops), word_stops)
+    real = [i for i, t in enumerate(texts) if t and i not in spare_ids]
+    for s in stops:
+        assert not any(s in texts[i] for i in real) or all(i in found for i in real if s in texts[i])
+        wordish = s in word_stops and _word_char(s[0])
+        for j in range(1, len(s)):
+            ends = [
+                t
+                for t in real
+                if _ends_prefix(texts[t], s[:j], wordish) or any(texts[t] == s[i:j] for i in range(1, j))
+            ]
+            starts = [c for c in real if texts[c].startswith(s[j:])]
+            for t in ends:
+                for c in starts:
+                    caught = (
+                        c in found
+                        or any(c == x for x, _ in found.swaps.get(t, ()))
+                        or (t in found and j in found.ahead.get(s, ()))
+                    )
+                    assert caught, (s, j, texts[t], texts[c])
+    standins = [sid for pairs in found.swaps.values() for _, sid in pairs]
+    assert set(standins) <= set(spare_ids) and all(sid in found for sid in standins)
+    assert all(found.real[sid] == c for pairs in found.swaps.values() for c, sid in pairs)
+    assert len(set(found.real)) == len({c for pairs in found.swaps.values() for c, _ in pairs})  # one each
+    assert not set(found.swaps) & set(spare_ids)

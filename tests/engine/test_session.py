@@ -27,12 +27,16 @@ def full_script(full: str):
     return lambda text: full[len(text) :] if full.startswith(text) else ""
 
 
-def setup(ref: str = REF, extra: str = ""):
+def setup(ref: str = REF, extra: str = "", swaps: bool = False):
+    """With ``swaps``, the vocabulary has 64 tokens the model never writes, and stops are looked
+    ahead inside the engine where their completing tokens fit (``PauseIds.swaps``)."""
     codec = FakeCodec()
     codec.encode(PROMPT + ref)  # fixes the vocabulary: the reference's own pieces, then any others
     codec.encode(extra)
     engine = FakeResumableEngine(codec, full_script(PROMPT + ref))
-    return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts()))
+    if swaps:
+        engine.spare = codec.encode("".join(f" Qz{chr(97 + i // 26)}{chr(97 + i % 26)}" for i in range(64)))
+    return codec, engine, EngineSession(engine, "gen-1", PauseTokens(engine.token_texts(), spare_ids=engine.spare))
 
 
 def request(
@@ -172,11 +176,13 @@ PIECES = ["a", " b", ".", " ", "\n", "\n\n", "Thus", ",", " so", "so", " T", "h"
     st.data(),
 )
 def test_stops_agree_with_vllm_stop_strings(pieces, stops, max_tokens, data):
-    """For any text, stop strings and word stops among them: the same tokens, finish reason and
-    stop string as one plain request with vLLM's stop-string semantics (word stops at word starts)."""
+    """For any text, stop strings and word stops among them, looked ahead by pausing or inside the
+    engine: the same tokens, finish reason and stop string as one plain request with vLLM's
+    stop-string semantics (word stops at word starts)."""
     text = "".join(pieces)
     word_stops = data.draw(st.lists(st.sampled_from(stops), unique=True)) if stops else []
-    codec, engine, session = setup(text, extra="".join(PIECES) + "".join(stops))
+    swaps = data.draw(st.booleans())
+    codec, engine, session = setup(text, extra="".join(PIECES) + "".join(stops), swaps=swaps)
     req = request(codec, PROMPT, stops, max_tokens=max_tokens, word_stops=word_stops)
     (plain,) = asyncio.run(_plain(engine, req))
     (ours,) = asyncio.run(collect(session, req))
@@ -204,7 +210,7 @@ def test_a_chunk_that_yields_nothing_is_an_error_that_says_so():
     with a message naming it, not with an unbound name."""
     codec, engine, session = setup()
 
-    async def silent(token_ids, max_tokens, pause_ids, sampling):
+    async def silent(token_ids, max_tokens, pause_ids, sampling, continued=False):
         return
         yield  # an async generator that yields nothing
 
@@ -271,3 +277,23 @@ def test_tokens_sent_again_keep_the_request_when_they_are_the_same_and_restart_i
     asyncio.run(collect(session, delta(codec, other, n_prompt, ["."])))
     assert restarts == [1] and len(engine.requests) == 2
     assert engine.requests[1].feeds[0] == codec.encode(other)  # the new request gets the whole context
+
+
+@pytest.mark.parametrize("swaps", [False, True], ids=["pauses", "swaps"])
+def test_stops_looked_ahead_inside_the_engine_cost_no_pause(swaps):
+    """The reference's segments, cue by cue and sentence by sentence: the same tokens and stops
+    either way; looked ahead by pausing, each stop found costs a pause on the token before its
+    last (``" Thus"`` before ``","``); inside the engine, none."""
+    codec, engine, session = setup(swaps=swaps)
+    cues = ["Thus,", "Wait,", "Next,"]
+    context, found, pauses = PROMPT, [], 0
+    for stop in (cues, [". ", ".\n", "\n\n"], cues, [". ", ".\n", "\n\n"], cues):
+        req = request(codec, context, stop, word_stops=cues if stop is cues else [])
+        (plain,) = asyncio.run(_plain(engine, req))
+        (ours,) = asyncio.run(collect(session, req))
+        assert (ours.token_ids, ours.stop_reason) == (plain.token_ids, plain.stop_reason)
+        found.append(ours.stop_reason)
+        pauses += ours.pauses
+        context += codec.decode(ours.token_ids)
+    assert found == ["Thus,", ".\n", "Next,", ".\n", "Wait,"]
+    assert pauses == (0 if swaps else len(found))

@@ -64,9 +64,12 @@ def test_async_engine_streams_stops_and_scores():
     asyncio.run(go())
 
 
-def test_resumable_requests_give_what_plain_requests_give():
+@pytest.mark.parametrize("swaps", [False, True], ids=["pauses", "swaps"])
+def test_resumable_requests_give_what_plain_requests_give(swaps):
     """Greedy relay-like segments (cue stops, then another model's sentence appended, then a
-    sentence stop) in one resumable request and as plain requests: the same tokens and stops."""
+    sentence stop) in one resumable request and as plain requests: the same tokens and stops.
+    With the look-ahead inside the engine (stand-ins for the tokens that complete a stop) the
+    request never pauses; with none it pauses before every stop it finds."""
     from relay_serve.config import resolve_model
     from relay_serve.engine.session import EngineSession
     from relay_serve.engine.stops import PauseTokens
@@ -74,14 +77,17 @@ def test_resumable_requests_give_what_plain_requests_give():
     from relay_serve.protocol import SamplingSettings, SegmentRequest
     from relay_serve.relay.text import SENTENCE_STOPS
     from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.tokenizer import spare_token_ids
 
     path = resolve_model("toy:large")
     codec = load_codec(path)
     cues = ["Thus,", "Wait,", "Next,"]
 
     async def go():
-        engine = VLLMEngine(path, path, TOY_ENGINE_ARGS)
-        session = EngineSession(engine, "g", PauseTokens(engine.token_texts()))
+        engine = VLLMEngine(path, path, TOY_ENGINE_ARGS, spare_ids=spare_token_ids(path) if swaps else [])
+        assert bool(engine.spare_ids()) == swaps
+        session = EngineSession(engine, "g", PauseTokens(engine.token_texts(), spare_ids=engine.spare_ids()))
+        pauses = stops = 0
         try:
             for problem in ("Start at b3. Follow the map four times.", "Start at k11. Follow the map five times."):
                 context = codec.encode(codec.render_chat([{"role": "user", "content": problem}]))
@@ -106,6 +112,8 @@ def test_resumable_requests_give_what_plain_requests_give():
                         plain.stop_reason,
                     )
                     assert ours.decode_steps is not None and ours.ttft_s > 0
+                    pauses += ours.pauses
+                    stops += isinstance(ours.stop_reason, str)
                     if new is not None:  # only what is new was computed again
                         assert len(context) - ours.cached_tokens == new
                     new = 1 + len(codec.encode(extra))
@@ -115,8 +123,12 @@ def test_resumable_requests_give_what_plain_requests_give():
         finally:
             await session.close()
             engine.shutdown()
+        return pauses, stops
 
-    asyncio.run(go())
+    pauses, stops = asyncio.run(go())
+    assert stops == 6  # three a problem
+    # paused on: once on the token before each stop's last one at least (and on others that end no stop)
+    assert pauses == 0 if swaps else pauses >= stops
 
 
 def test_a_speculative_engine_stops_where_the_plain_engine_stops():
