@@ -320,6 +320,11 @@ def bench_cmd(
     compare_resumable: bool = typer.Option(
         False, "--compare-resumable/--no-compare-resumable", help="also run relay with a new engine request per segment"
     ),
+    compare_swaps: bool = typer.Option(
+        False,
+        "--compare-swaps/--no-compare-swaps",
+        help="also run relay with every stop looked ahead by pausing (no spare token ids)",
+    ),
     out: Path | None = typer.Option(None, "--out", help="output folder (default under the state dir)"),
     as_json: bool = typer.Option(False, "--json", help="the summary as the last line, one JSON object"),
 ) -> None:
@@ -375,6 +380,7 @@ def bench_cmd(
         small_queue_bound=small_queue_bound or None,
         compare_transports=compare_transports,
         compare_resumable=compare_resumable,
+        compare_swaps=compare_swaps,
     )
     cfg = _load_config(config) if config is not None else None
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")

@@ -112,6 +112,11 @@ class BenchSettings(BaseModel):
     compare_resumable: bool = Field(
         False, description="also run relay with router.resumable_requests: false (a new engine request per segment)"
     )
+    compare_swaps: bool = Field(
+        False,
+        description="also run relay with no spare token ids (every stop looked ahead by pausing, not inside the "
+        "engine)",
+    )
 
     @field_validator("sampling")
     @classmethod
@@ -272,7 +277,8 @@ class Variant(BaseModel):
 
     mode: str
     label: str
-    router: dict[str, Any]
+    router: dict[str, Any] = Field(default_factory=dict)
+    models: dict[str, Any] = Field(default_factory=dict, description="set on both models' settings")
 
 
 def variants(s: BenchSettings) -> list[Variant]:
@@ -281,6 +287,14 @@ def variants(s: BenchSettings) -> list[Variant]:
         out.append(
             Variant(
                 mode="relay-per-segment", label="a new engine request per segment", router={"resumable_requests": False}
+            )
+        )
+    if s.compare_swaps:
+        out.append(
+            Variant(
+                mode="relay-pausing",
+                label="every stop looked ahead by pausing (spare_token_ids: [])",
+                models={"spare_token_ids": []},
             )
         )
     if s.compare_transports:
@@ -399,6 +413,8 @@ def variant_rounds(
         for v in variants(s):
             variant = cfg.model_copy(deep=True, update={"name": v.mode, "route_prefix": f"/{v.mode}"})
             variant.router = variant.router.model_copy(update=v.router)
+            variant.large = variant.large.model_copy(update=v.models)
+            variant.small = variant.small.model_copy(update=v.models)
             pair = {
                 f"relay-beside-{v.mode}": Target(base=base, model="relay"),
                 v.mode: Target(base=start(variant, port=port), model="relay"),

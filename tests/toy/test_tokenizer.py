@@ -36,3 +36,22 @@ def test_chat_template():
 def test_the_committed_tokenizer_is_what_the_build_makes(tmp_path):
     build_tokenizer(ToyWorld(), tmp_path)
     assert (tmp_path / "tokenizer.json").read_text() == (TOKENIZER_DIR / "tokenizer.json").read_text()
+
+
+def test_the_spare_ids_are_tokens_no_toy_text_holds():
+    """The stand-ins of the look-ahead inside the engine: no token of any trace of the toy world,
+    no special token; a config's own list (``[]``: none) is taken as it is."""
+    from relay_serve.config import ModelSettings, resolve_model
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.tokenizer import spare_token_ids
+    from relay_serve.toy.world import ToyWorld
+
+    path = resolve_model("toy:large")
+    codec = load_codec(path)
+    spare = set(spare_token_ids(path))
+    written = {t for text in ToyWorld().corpus() for t in codec.encode(text)}
+    assert len(spare) > 100 and not spare & written
+    assert not spare & set(codec.tokenizer.all_special_ids) and codec.encode("</think>")[0] not in spare
+    assert ModelSettings(model="toy:large").resolved_spare_token_ids == sorted(spare)
+    assert ModelSettings(model="toy:large", spare_token_ids=[]).resolved_spare_token_ids == []
+    assert ModelSettings(model="Qwen/Qwen3-32B").resolved_spare_token_ids is None  # the engine's own
