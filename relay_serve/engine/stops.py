@@ -35,9 +35,10 @@ its completing tokens fit: ``PauseIds.swaps`` maps each token that can end one o
 prefixes (a *trigger*, no longer a pause id) to the tokens that start a split's rest, each with a
 spare id as its *stand-in* (a pause id); the engine draws the stand-in in the completing token's
 place after a trigger and gives the real token back (``vllm_swaps.py``). Stops are taken in list
-order, each wholly or not at all, while the stand-ins last; the others pause as above. :class:`PauseTokens` finds the
-pause token ids in an index of the vocabulary's texts; :func:`first_stop` and
-:func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
+order, each wholly or not at all, while the stand-ins last; the others pause as above.
+
+:class:`PauseTokens` finds the pause token ids in an index of the vocabulary's texts;
+:func:`first_stop` and :func:`lookahead_stops` are the checks at a pause. Pure: no vLLM.
 """
 
 from __future__ import annotations

@@ -193,3 +193,51 @@ def test_a_speculative_engine_stops_where_the_plain_engine_stops():
         return segments
 
     assert asyncio.run(go()) >= 12
+
+
+def test_a_stop_looked_ahead_inside_the_engine_is_found_after_a_pause_on_its_trigger():
+    """``"Next"`` is both a trigger of the cue ``"Next,"`` (looked ahead inside the engine) and a pause
+    id of ``"aNext"`` (it may complete it): the request pauses on it, and the chunk that goes on from
+    there must swap the comma at its first step (the last token fed is the segment's own), or the
+    cue would pass unseen. The same tokens and stop as a plain request with vLLM's stop strings."""
+    from relay_serve.config import resolve_model
+    from relay_serve.engine.session import EngineSession
+    from relay_serve.engine.stops import PauseTokens
+    from relay_serve.engine.vllm_engine import VLLMEngine
+    from relay_serve.protocol import SamplingSettings, SegmentRequest
+    from relay_serve.tokenizer import load_codec
+    from relay_serve.toy.tokenizer import spare_token_ids
+
+    path = resolve_model("toy:large")
+    codec = load_codec(path)
+    stops = ["Next,", "aNext"]
+
+    async def go():
+        engine = VLLMEngine(path, path, TOY_ENGINE_ARGS, spare_ids=spare_token_ids(path))
+        pauses = PauseTokens(engine.token_texts(), spare_ids=engine.spare_ids())
+        session = EngineSession(engine, "g", pauses)
+        found = pauses.ids(tuple(stops), frozenset({"Next,"}))
+        (next_id,) = codec.encode("Next")
+        assert next_id in found and next_id in found.swaps and "Next," not in found.ahead
+        try:
+            prompt = codec.render_chat([{"role": "user", "content": "Start at b3. Follow the map four times."}])
+            req = SegmentRequest(
+                model="large",
+                prompt_token_ids=codec.encode(prompt),
+                max_tokens=120,
+                stop=stops,
+                word_stops=["Next,"],
+                session_id="g",
+                sampling=SamplingSettings(temperature=0.0),
+                resume=True,
+            )
+            plain = [c async for c in engine.generate(req, "p", stream=False)][-1]
+            ours = [c async for c in session.segment(req, stream=False)][-1]
+            return plain, ours
+        finally:
+            await session.close()
+            engine.shutdown()
+
+    plain, ours = asyncio.run(go())
+    assert (ours.token_ids, ours.stop_reason) == (plain.token_ids, plain.stop_reason) and plain.stop_reason == "Next,"
+    assert ours.pauses == 1  # on "Next", for "aNext"
