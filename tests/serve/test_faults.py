@@ -103,13 +103,24 @@ def kill_one(deployment: str, busy_within_s: float = 5.0) -> str:
 
 
 def wait_for_replicas(deployment: str, n: int, timeout_s: float = 180) -> None:
+    """``n`` replicas of ``deployment``, the deployment healthy and (a model deployment) every
+    replica answering its actor: one Serve started in place of a killed one is listed, and the
+    deployment may still read healthy, while its engine starts."""
+    import ray
     from ray import serve
 
     deadline = time.time() + timeout_s
     while True:
         dep = serve.status().applications[APP].deployments[deployment]
-        if dep.status == "HEALTHY" and len(replicas(deployment)) == n:
-            return
+        names = replicas(deployment)
+        if dep.status == "HEALTHY" and len(names) == n:
+            if deployment == "router":
+                return
+            try:
+                ray.get([ray.get_actor(a, namespace="serve").record_routing_stats.remote() for a in names], timeout=5)
+                return
+            except Exception:  # noqa: BLE001 - a replica still starting (or gone meanwhile): ask again
+                pass
         assert time.time() < deadline, dep
         time.sleep(1)
 
