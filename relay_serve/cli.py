@@ -296,7 +296,7 @@ def bench_cmd(
         help="the app (pair) to bench (default: configs/toy-wide-cpu.yaml's)",
     ),
     auto_learn: int = typer.Option(
-        6,
+        8,
         "--auto-learn",
         min=0,
         help="auto runs this many times each level's concurrency of generations there before the rounds, not "

@@ -96,12 +96,13 @@ class BenchSettings(BaseModel):
         "None: spec_tokens at every batch size",
     )
     auto_learn: int = Field(
-        6,
+        8,
         ge=0,
         description="before a profile's rounds, every auto mode runs this many times each level's concurrency (at "
         "least 16) of generations at that level, not measured, so that the rounds measure auto once it has learnt the "
-        "level, as a service does after its first minutes (a level learns from a block of each path, each twice its "
-        "size); 0: measure it from scratch",
+        "level, as a service does after its first minutes (a level learns from blocks of each path, each twice its "
+        "size, until each path has policy.auto.min_samples generations that ran among their own path: two blocks of "
+        "each at levels 2-8); 0: measure it from scratch",
     )
     calibrate: bool = Field(True, description="calibrate the pair's cues first (into the bench's own cue store)")
     vllm_baseline: bool = Field(True, description="also run the large model on vLLM's own OpenAI server")

@@ -5,10 +5,12 @@ Which path is faster depends on the pair, the engines (a speculative large engin
 small model write most tokens) and the load: relay saves decode steps of the large model, which
 count most while the engines are latency-bound and least when they are compute-bound, and each of
 its handoffs costs a prefill and a wait for the next step. Rather than model all that, the chooser
-measures it: for each load level (generations in flight, in power-of-two buckets) it keeps a moving
-average of each path's seconds per output token, tries each path until it has ``min_samples``
-figures, then takes the faster one, and still runs the other one in one block in ``explore_every``
-so that its figure follows the engines as they change.
+measures it: for each load level (generations in flight, in power-of-two buckets) it keeps each
+path's seconds per output token over its last ``window`` generations (their seconds summed over
+their tokens summed: a generation counts by its tokens, as in a throughput, and a short one's
+first-token wait does not swing the figure as it does a mean of per-generation ratios), tries each
+path until it has ``min_samples`` figures, then takes the faster one, and still runs the other one
+in one block in ``explore_every`` so that its figure follows the engines as they change.
 
 A path's figure must be what that path costs when it is the policy, not what one generation of it
 costs among generations of the other: a relay generation among large ones gets the small model's
@@ -20,11 +22,14 @@ the generations beside it over its life ran the same path (``LoadClock.share_sin
 
 A generation teaches the level of the load it ran under (the mean of the generations in flight
 over its life, from a ``LoadClock``), and is chosen at the level of the most generations in flight
-over the last ``load_window_s`` (``LoadClock.peak``), not of those in flight when it starts: the
-first generations of a burst start with few others in flight and run under all of them. Chosen by
-their start count, those of a burst of 64 that start with 45 or fewer in flight were chosen at
-levels 1-32, in blocks those levels ran for loads they never saw; taught by it, they taught the low
-levels what the high load costs.
+over the recent past (``LoadClock.peak``; by default the last generations' mean life), not of those
+in flight when it starts: the first generations of a burst start with few others in flight and run
+under all of them. Chosen by their start count, those of a burst of 64 that start with 45 or fewer
+in flight were chosen at levels 1-32, in blocks those levels ran for loads they never saw; taught by
+it, they taught the low levels what the high load costs. The window is as long as a generation
+lives because that is how far back a start still runs beside a generation starting now: a fixed
+30 s window chose the first 20 generations of a single client (1.5 s each) at the level of the 8
+clients that had stopped before it started.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class AutoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     min_samples: int = Field(
-        4, ge=1, description="generations of each path a load level runs before it chooses by their speed"
+        8, ge=1, description="generations of each path a load level learns from before it chooses by their speed"
     )
     explore_every: int = Field(
         20, ge=2, description="one block in this many runs the other path, so that its figure stays current"
@@ -63,15 +68,18 @@ class AutoSettings(BaseModel):
         description="a generation teaches its path's figure when at least this share of the load over its life ran "
         "that path",
     )
-    smoothing: float = Field(
-        0.2, gt=0.0, le=1.0, description="weight of the newest generation in a path's moving average"
+    window: int = Field(
+        32,
+        ge=1,
+        description="a path's figure at a level: the seconds of its last this many generations that taught it over "
+        "their output tokens",
     )
-    load_window_s: float = Field(
-        30.0,
+    load_window_s: float | None = Field(
+        None,
         ge=0.0,
         description="a generation is chosen at the level of the most generations in flight over this many seconds "
         "before it starts (or of those in flight now, if more): a burst's generations start one by one but run under "
-        "all of it",
+        "all of it; None: the mean life of the router's last generations",
     )
 
 
@@ -100,12 +108,13 @@ class LoadClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.n = 0
-        self._peaks: deque[tuple[float, int]] = deque()  # (when, in flight then): later ones with fewer
+        self._peaks: deque[tuple[float, int]] = deque()  # (when, most in flight then): later ones with fewer
         self._kept_s = 0.0  # the longest window asked of peak()
         self._by_path: dict[str, int] = {}
         self._area = 0.0  # generation-seconds so far
         self._path_area: dict[str, float] = {}
         self._t = clock()
+        self.mean_life_s = 0.0  # of the generations that left, a moving average (0 before any left)
 
     def _advance(self) -> float:
         now = self.clock()
@@ -121,27 +130,36 @@ class LoadClock:
         now = self._advance()
         self.n += 1
         self._by_path[path] = self._by_path.get(path, 0) + 1
-        while self._peaks and self._peaks[-1][1] <= self.n:  # a later moment with as many in flight
-            self._peaks.pop()
-        self._peaks.append((now, self.n))
+        self._keep_peak(now, self.n)
         return Mark(now, self._area, self._path_area.get(path, 0.0), path)
 
+    def _keep_peak(self, now: float, n: int) -> None:
+        while self._peaks and self._peaks[-1][1] <= n:  # a later moment with as many in flight
+            self._peaks.pop()
+        self._peaks.append((now, n))
+
     def peak(self, window_s: float) -> int:
-        """The most in flight when one entered over the last ``window_s`` seconds, or now if more
-        (the count rises only when one enters). Kept: the enters with more in flight than any later
-        one (a falling queue), as far back as the longest window asked."""
+        """The most in flight at any moment of the last ``window_s`` seconds. The count is a step
+        function: its most over a window is the count after each enter inside it, before each leave
+        inside it (which was in force up to that leave, from inside the window or before it) and now.
+        Kept: those moments with more in flight than any later one (a falling queue), as far back as
+        the longest window asked."""
         now = self.clock()
         self._kept_s = max(self._kept_s, window_s)
         while self._peaks and self._peaks[0][0] < now - self._kept_s:  # too old for any window asked
             self._peaks.popleft()
-        # the first enter inside the window had more in flight than any later one
+        # the first moment kept inside the window had more in flight than any later one
         inside = next((n for t, n in self._peaks if t >= now - window_s), 0)
         return max(self.n, inside)
 
-    def leave(self, path: str = "") -> None:
-        self._advance()
+    def leave(self, mark: Mark) -> None:
+        """The generation that entered at ``mark`` has ended."""
+        now = self._advance()
+        self._keep_peak(now, self.n)  # in force until now
         self.n -= 1
-        self._by_path[path] -= 1
+        self._by_path[mark.path] -= 1
+        life = now - mark.t
+        self.mean_life_s = life if not self.mean_life_s else 0.9 * self.mean_life_s + 0.1 * life
 
     def mean_since(self, mark: Mark) -> float:
         """The mean number in flight since ``mark`` (the marked generation included, while in flight)."""
@@ -159,17 +177,37 @@ class LoadClock:
 
 @dataclass
 class _Figure:
-    s_per_token: float | None = None
-    samples: int = 0
+    """A path's last generations at a level: their seconds and output tokens."""
+
+    window: int
+    runs: deque[tuple[float, int]] = field(init=False)
+    samples: int = 0  # all it learnt from, the ones that left the window included
+
+    def __post_init__(self) -> None:
+        self.runs = deque(maxlen=self.window)
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.runs.append((seconds, tokens))
+        self.samples += 1
+
+    @property
+    def s_per_token(self) -> float | None:
+        if not self.runs:
+            return None
+        return sum(s for s, _ in self.runs) / sum(t for _, t in self.runs)
 
 
 @dataclass
 class _Level:
-    figures: dict[str, _Figure] = field(default_factory=lambda: {p: _Figure() for p in PATHS})
+    window: int
+    figures: dict[str, _Figure] = field(init=False)
     started: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     blocks: int = 0
     path: Path = "relay"
     left: int = 0  # generations still to start in the current block
+
+    def __post_init__(self) -> None:
+        self.figures = {p: _Figure(self.window) for p in PATHS}
 
 
 class AutoChooser:
@@ -182,13 +220,23 @@ class AutoChooser:
     def choose(self, load: int) -> Path:
         """The path of a generation that starts with ``load`` generations in flight (itself included)."""
         size = bucket(load)
-        level = self.levels.setdefault(size, _Level())
+        level = self._level(size)
         if level.left <= 0:
             level.path = self._next_block(level)
             level.left = math.ceil(self.settings.block_turnovers * size)
         level.left -= 1
         level.started[level.path] += 1
         return level.path
+
+    def _level(self, size: int) -> _Level:
+        if size not in self.levels:
+            self.levels[size] = _Level(self.settings.window)
+        return self.levels[size]
+
+    def load_window_s(self, clock: LoadClock) -> float:
+        """How far back ``clock.peak`` looks for the load a generation starting now will run under."""
+        w = self.settings.load_window_s
+        return clock.mean_life_s if w is None else w
 
     def _next_block(self, level: _Level) -> Path:
         level.blocks += 1
@@ -203,11 +251,7 @@ class AutoChooser:
         that load on its own path, took ``seconds`` for ``tokens`` output tokens."""
         if tokens <= 0 or seconds <= 0 or purity < self.settings.min_purity:
             return
-        figure = self.levels.setdefault(bucket(load), _Level()).figures[path]
-        value = seconds / tokens
-        a = self.settings.smoothing
-        figure.s_per_token = value if figure.s_per_token is None else (1 - a) * figure.s_per_token + a * value
-        figure.samples += 1
+        self._level(bucket(load)).figures[path].add(seconds, tokens)
 
     def state(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
         """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples."""

@@ -108,7 +108,7 @@ class Generations:
         # at the level of the load it will run under: the most in flight of late (a burst's first generations
         # start with few others in flight), or now with itself, if more
         path = (
-            self.auto.choose(max(self.in_flight + 1, self.load.peak(self.auto.settings.load_window_s)))
+            self.auto.choose(max(self.in_flight + 1, self.load.peak(self.auto.load_window_s(self.load))))
             if name == "auto"
             else name
         )
@@ -292,11 +292,11 @@ class Generations:
     @contextlib.contextmanager
     def running(self, g: ServedGeneration) -> Iterator[None]:
         """While ``g`` runs: counted in flight; after it, its leases go back to the backend."""
-        g.mark = self.load.enter(g.path)
+        g.mark = mark = self.load.enter(g.path)
         try:
             yield
         finally:
-            self.load.leave(g.path)
+            self.load.leave(mark)
             self.backend.release(g.generation.session_id)
 
     async def run(self, g: ServedGeneration) -> dict[str, Any]:

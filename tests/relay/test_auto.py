@@ -32,7 +32,7 @@ def test_the_load_clock_gives_each_generation_the_mean_load_of_its_life():
     b = clock.enter()  # t=1: a and b
     now.t = 3.0
     assert clock.mean_since(b) == pytest.approx(2.0)  # b has only ever run beside a
-    clock.leave()
+    clock.leave(b)
     now.t = 4.0
     assert clock.mean_since(a) == pytest.approx((1 * 1 + 2 * 2 + 1 * 1) / 4)
     assert clock.n == 1
@@ -48,8 +48,8 @@ def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
     now.t = 10.0
     for path, mark in burst:
         chooser.record(path, clock.mean_since(mark), cost[64][path] * 100, 100)
-    for _ in burst:
-        clock.leave()
+    for _, mark in burst:
+        clock.leave(mark)
     taught = {level for level, figures in chooser.state().items() if any(f["samples"] for f in figures.values())}
     assert taught == {"64"}
     alone = Counter()
@@ -58,64 +58,70 @@ def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
         mark = clock.enter()
         now.t += 1.0
         chooser.record(path, clock.mean_since(mark), cost[1][path] * 100, 100)
-        clock.leave()
+        clock.leave(mark)
         alone[path] += 1
     assert alone["relay"] > 85  # 4 to learn large, then one in 20
 
 
-def test_the_load_clock_gives_the_most_in_flight_at_an_enter_over_a_window():
+def test_the_load_clock_gives_the_most_in_flight_at_any_moment_of_a_window():
     now = FakeTime()
     clock = LoadClock(now)
     assert clock.peak(30) == 0
-    for _ in range(5):  # t=0: five at once
-        clock.enter()
+    marks = [clock.enter() for _ in range(5)]  # t=0: five at once
     now.t = 10.0
-    for _ in range(4):
-        clock.leave()
-    clock.enter()  # t=10: two in flight
+    for mark in marks[:4]:
+        clock.leave(mark)
+    late = clock.enter()  # t=10: two in flight
     now.t = 20.0
-    assert clock.peak(30) == 5 and clock.peak(15) == 2  # the five of t=0 are 20 s ago
-    clock.leave()
-    clock.leave()
+    assert clock.peak(30) == 5 and clock.peak(15) == 5  # five were in flight until t=10
+    assert clock.peak(9) == 2
+    clock.leave(marks[4])
+    clock.leave(late)
     now.t = 45.0
-    assert clock.peak(40) == 2 and clock.peak(30) == 0  # none in flight, none entered since t=10
-    # against a brute force over random enters and leaves: the most in flight at any enter within the window
+    assert clock.peak(40) == 5 and clock.peak(30) == 2 and clock.peak(20) == 0  # none in flight since t=20
+    # against a brute force over random enters and leaves: the count as a step function of time,
+    # its most over the window: the count in force at the window's start and after each change inside
     import random
 
     rng = random.Random(3)
-    now, events = FakeTime(), []
+    now, changes, marks = FakeTime(), [], []
     clock = LoadClock(now)
     for _ in range(400):
-        now.t += rng.random()
-        if clock.n and rng.random() < 0.45:
-            clock.leave()
+        now.t += rng.random() * rng.choice((0.0, 1.0))  # some at the same moment
+        if marks and rng.random() < 0.45:
+            clock.leave(marks.pop(rng.randrange(len(marks))))
         else:
-            clock.enter()
-            events.append((now.t, clock.n))
+            marks.append(clock.enter())
+        changes.append((now.t, len(marks)))
         window = rng.choice((0.5, 3.0, 20.0))
-        expected = max([n for t, n in events if t >= now.t - window] + [clock.n])
+        start = now.t - window
+        at_start = next((n for t, n in reversed(changes) if t <= start), 0)
+        expected = max([at_start] + [n for t, n in changes if t > start])
         assert clock.peak(window) == expected
 
 
-def test_a_burst_after_a_burst_is_chosen_at_the_level_it_will_run_under():
+@pytest.mark.parametrize("window", [30.0, None])
+def test_a_burst_after_a_burst_is_chosen_at_the_level_it_will_run_under(window: float | None):
     """Chosen by the most in flight of late: a second burst of 64 runs level 64's block from its first
-    generation, which its start count (1, 2, 3, ...) would have put at levels 1-32."""
+    generation, which its start count (1, 2, 3, ...) would have put at levels 1-32. By default "of
+    late" is the first burst's life (8 s): it ended 1 s before."""
     now = FakeTime()
-    clock, chooser = LoadClock(now), AutoChooser(AutoSettings(min_samples=4, load_window_s=30))
-    for _ in range(64):
-        clock.enter()
+    clock, chooser = LoadClock(now), AutoChooser(AutoSettings(min_samples=4, load_window_s=window))
+    first = [clock.enter() for _ in range(64)]
     now.t = 8.0
-    for _ in range(64):
-        clock.leave()
+    for mark in first:
+        clock.leave(mark)
     now.t = 9.0
     levels = []
     for _ in range(64):
-        load = max(clock.n + 1, clock.peak(chooser.settings.load_window_s))
+        load = max(clock.n + 1, clock.peak(chooser.load_window_s(clock)))
         levels.append(bucket(load))
         chooser.choose(load)
         clock.enter()
     assert set(levels) == {64}
     assert set(chooser.levels) == {64} and chooser.levels[64].started == {"relay": 64, "large": 0}
+    now.t = 30.0  # a burst's life after the second began; the most in flight over the last 8 s: the 64 of it
+    assert clock.peak(chooser.load_window_s(clock)) == 64
 
 
 def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) -> Counter:
@@ -143,7 +149,7 @@ def test_it_tries_both_then_takes_the_faster_path_per_load_level():
 
 
 def test_it_follows_a_path_that_became_slower():
-    chooser = AutoChooser(AutoSettings(min_samples=2, explore_every=5, smoothing=0.5))
+    chooser = AutoChooser(AutoSettings(min_samples=2, explore_every=5, window=4))
     before = run(chooser, 8, 50, {"relay": 0.010, "large": 0.020})
     later = run(chooser, 8, 200, {"relay": 0.030, "large": 0.020})  # relay's engines got slower
     # blocks of 16, one in 5 explores: the rest of a relay block, then mostly large
@@ -182,12 +188,12 @@ def test_the_load_clock_gives_the_share_of_a_generations_life_on_its_own_path():
     clock = LoadClock(now)
     r = clock.enter("relay")  # t=0..2: r alone; t=2..4: r and a large one
     now.t = 2.0
-    clock.enter("large")
+    large = clock.enter("large")
     now.t = 4.0
     assert clock.share_since(r) == pytest.approx((2 * 1 + 2 * 1) / (2 * 1 + 2 * 2))
     assert clock.mean_since(r) == pytest.approx(1.5)
-    clock.leave("large")
-    clock.leave("relay")
+    clock.leave(large)
+    clock.leave(r)
     assert clock.n == 0
 
 
@@ -214,3 +220,60 @@ def test_relay_that_is_faster_alone_but_slower_for_all_is_not_chosen():
             chosen[path] += 1
     assert cost("relay", 1.0) > cost("large", 0.0) and cost("relay", 0.0) < cost("large", 0.0)
     assert chosen["large"] > 0.9 * sum(chosen.values())
+
+
+def test_a_path_is_judged_by_its_seconds_over_its_tokens_not_by_the_mean_of_its_generations_ratios():
+    """Relay's short generations are slow per token (the first token's wait counts over few tokens),
+    its long ones fast; the large model's all alike. Per token of output relay is faster: 2.5 s for
+    210 tokens against 3.15 s; the mean of its generations' ratios (30 ms against 15) says the
+    opposite."""
+    chooser = AutoChooser(AutoSettings(min_samples=4, explore_every=20))
+    chosen = Counter()
+    for i in range(400):
+        path = chooser.choose(1)
+        chosen[path] += 1
+        if path == "relay":
+            tokens, seconds = (10, 0.5) if i % 2 else (200, 2.0)
+        else:
+            tokens, seconds = (10, 0.15) if i % 2 else (200, 3.0)
+        chooser.record(path, 1, seconds, tokens)
+    assert chosen["relay"] > 0.85 * 400
+
+
+def closed_loop(clients: int, life_s: float, until: float, now: FakeTime, clock: LoadClock, chooser: AutoChooser):
+    """``clients`` that each start a generation of ``life_s`` as soon as their last one ends, from
+    ``now.t`` (staggered over one life) to ``until``; the levels their generations were chosen at."""
+    import heapq
+
+    ends: list[tuple[float, int, object]] = []
+    levels = []
+    start = now.t
+    for k in range(clients):
+        heapq.heappush(ends, (start + k * life_s / clients, -1, None))  # a client's first start
+    while ends:
+        t, _, mark = heapq.heappop(ends)
+        now.t = t
+        if mark is not None:
+            clock.leave(mark)
+        if t < until:
+            load = max(clock.n + 1, clock.peak(chooser.load_window_s(clock)))
+            levels.append(bucket(load))
+            chooser.choose(load)
+            heapq.heappush(ends, (t + life_s, len(levels), clock.enter()))
+    return levels
+
+
+def test_a_generation_is_chosen_at_the_load_of_the_last_generations_life_not_of_a_fixed_window():
+    """Eight clients stop; one client starts as the last of theirs ends. By default the load looked
+    back over is the generations' mean life (2 s), so the single client runs at level 1 from its
+    third generation; a fixed 30 s window chose nearly all of its first twenty at level 8 (the bench
+    measured auto at concurrency 1 on the large model's path after the rounds at 8)."""
+    for window, above_1 in ((None, (0, 2)), (30.0, (18, 20))):
+        now = FakeTime()
+        clock, chooser = LoadClock(now), AutoChooser(AutoSettings(load_window_s=window))
+        busy = closed_loop(8, 2.0, 20.0, now, clock, chooser)
+        assert busy[8:] and set(busy[8:]) == {8}  # every one after the first eight ran under eight
+        assert clock.n == 0 and clock.mean_life_s == pytest.approx(2.0)
+        alone = closed_loop(1, 1.5, now.t + 30.0, now, clock, chooser)
+        assert len(alone) == 20 and alone[-1] == (8 if window else 1)
+        assert above_1[0] <= sum(level > 1 for level in alone) <= above_1[1], (window, alone)
