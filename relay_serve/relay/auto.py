@@ -238,6 +238,11 @@ class AutoChooser:
         w = self.settings.load_window_s
         return clock.mean_life_s if w is None else w
 
+    def load_ahead(self, clock: LoadClock) -> int:
+        """The load a generation starting now will run under: the most in flight of late (a burst's
+        first generations start with few others in flight), or those in flight now with it, if more."""
+        return max(clock.n + 1, clock.peak(self.load_window_s(clock)))
+
     def _next_block(self, level: _Level) -> Path:
         level.blocks += 1
         short = [p for p in PATHS if level.figures[p].samples < self.settings.min_samples]

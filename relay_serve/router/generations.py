@@ -105,13 +105,7 @@ class Generations:
         await self._check_engines(
             ("large", "small") if name == "auto" else make_policy(name, self.cfg.policy, []).models, sampling, req
         )
-        # at the level of the load it will run under: the most in flight of late (a burst's first generations
-        # start with few others in flight), or now with itself, if more
-        path = (
-            self.auto.choose(max(self.in_flight + 1, self.load.peak(self.auto.load_window_s(self.load))))
-            if name == "auto"
-            else name
-        )
+        path = self.auto.choose(self.auto.load_ahead(self.load)) if name == "auto" else name
         explored = name == "relay" and req.relay_cues is None and self.shadow is not None and self.shadow.explore()
         if explored:
             cues = []  # no handoff during the reasoning: the large model writes the sentences after every cue

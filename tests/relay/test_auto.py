@@ -114,7 +114,7 @@ def test_a_burst_after_a_burst_is_chosen_at_the_level_it_will_run_under(window: 
     now.t = 9.0
     levels = []
     for _ in range(64):
-        load = max(clock.n + 1, clock.peak(chooser.load_window_s(clock)))
+        load = chooser.load_ahead(clock)
         levels.append(bucket(load))
         chooser.choose(load)
         clock.enter()
@@ -256,7 +256,7 @@ def closed_loop(clients: int, life_s: float, until: float, now: FakeTime, clock:
         if mark is not None:
             clock.leave(mark)
         if t < until:
-            load = max(clock.n + 1, clock.peak(chooser.load_window_s(clock)))
+            load = chooser.load_ahead(clock)
             levels.append(bucket(load))
             chooser.choose(load)
             heapq.heappush(ends, (t + life_s, len(levels), clock.enter()))
