@@ -12,6 +12,17 @@ first-token wait does not swing the figure as it does a mean of per-generation r
 path until it has ``min_samples`` figures, then takes the faster one, and still runs the other one
 in one block in ``explore_every`` so that its figure follows the engines as they change.
 
+The two paths are compared only by generations that ran near in time: the machine's speed drifts
+(another process, a slow minute: 10% between the bench's rounds here), and the path a level does
+not run has a figure from its last block, minutes old, while the other's is from the last seconds.
+Compared so, a 10% margin read the wrong way round (the bench at 8 relayed a slow round, found
+relay's fresh figure slower than the large path's from before it, and ran the large path while
+relay was 3-13% faster). So each generation that teaches a figure is also set beside the other
+path's generations that ended within its last ``block_turnovers`` + 1 lives (a *pair*: its seconds
+against what its tokens took the other path then), and the level chooses by the last ``window``
+pairs (both ways: relay against large, large against relay); only with no pair at all by the
+figures themselves.
+
 A path's figure must be what that path costs when it is the policy, not what one generation of it
 costs among generations of the other: a relay generation among large ones gets the small model's
 fast tokens while its handoffs' prefills slow everyone else down, so judged alone it looks better
@@ -37,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -175,32 +186,63 @@ class LoadClock:
         return (self._path_area.get(mark.path, 0.0) - mark.path_area) / area
 
 
+MIN_PAIRED = 2  # generations of the other path a generation is set beside (one is a single sample of noise)
+
+
+@dataclass(frozen=True)
+class _Run:
+    end: float  # when it was recorded (the chooser's clock)
+    seconds: float
+    tokens: int
+
+
+def _s_per_token(runs: Iterable[_Run]) -> float | None:
+    seconds = tokens = 0.0
+    for r in runs:
+        seconds += r.seconds
+        tokens += r.tokens
+    return seconds / tokens if tokens else None
+
+
 @dataclass
 class _Figure:
-    """A path's last generations at a level: their seconds and output tokens."""
+    """A path's last generations at a level."""
 
     window: int
-    runs: deque[tuple[float, int]] = field(init=False)
+    runs: deque[_Run] = field(init=False)
     samples: int = 0  # all it learnt from, the ones that left the window included
 
     def __post_init__(self) -> None:
         self.runs = deque(maxlen=self.window)
 
-    def add(self, seconds: float, tokens: int) -> None:
-        self.runs.append((seconds, tokens))
+    def add(self, run: _Run) -> None:
+        self.runs.append(run)
         self.samples += 1
 
     @property
     def s_per_token(self) -> float | None:
-        if not self.runs:
-            return None
-        return sum(s for s, _ in self.runs) / sum(t for _, t in self.runs)
+        return _s_per_token(self.runs)
+
+    def since(self, t: float) -> list[_Run]:
+        """Its generations recorded at ``t`` or later."""
+        return [r for r in self.runs if r.end >= t]
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A generation of ``path`` beside the other path's generations of the same time: its seconds,
+    and what its tokens took the other path then."""
+
+    path: Path
+    seconds: float
+    other_seconds: float
 
 
 @dataclass
 class _Level:
     window: int
     figures: dict[str, _Figure] = field(init=False)
+    pairs: deque[_Pair] = field(init=False)
     started: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     blocks: int = 0
     path: Path = "relay"
@@ -208,13 +250,26 @@ class _Level:
 
     def __post_init__(self) -> None:
         self.figures = {p: _Figure(self.window) for p in PATHS}
+        self.pairs = deque(maxlen=self.window)
+
+    def relay_over_large(self) -> float | None:
+        """Relay's seconds per token over the large path's, by the pairs: the geometric mean of relay's
+        (relay against large) and the inverse of the large path's, weighted by their numbers."""
+        logs = 0.0
+        for path in PATHS:
+            own = [p for p in self.pairs if p.path == path]
+            if own:
+                ratio = sum(p.seconds for p in own) / sum(p.other_seconds for p in own)
+                logs += len(own) * math.log(ratio) * (1 if path == "relay" else -1)
+        return math.exp(logs / len(self.pairs)) if self.pairs else None
 
 
 class AutoChooser:
     """Chooses relay or large per generation, learning from finished ones."""
 
-    def __init__(self, settings: AutoSettings | None = None) -> None:
+    def __init__(self, settings: AutoSettings | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings = settings or AutoSettings()
+        self.clock = clock
         self.levels: dict[int, _Level] = {}
 
     def choose(self, load: int) -> Path:
@@ -248,7 +303,10 @@ class AutoChooser:
         short = [p for p in PATHS if level.figures[p].samples < self.settings.min_samples]
         if short:  # learn first: the path started fewer times, relay on ties
             return min(short, key=lambda p: level.started[p])
-        best = min(PATHS, key=lambda p: level.figures[p].s_per_token or 0.0)
+        ratio = level.relay_over_large()
+        if ratio is None:  # no generation of either ran near one of the other: their own figures
+            ratio = (level.figures["relay"].s_per_token or 0.0) / (level.figures["large"].s_per_token or 1.0)
+        best: Path = "relay" if ratio <= 1.0 else "large"
         return next(p for p in PATHS if p != best) if level.blocks % self.settings.explore_every == 0 else best
 
     def record(self, path: Path, load: float, seconds: float, tokens: int, purity: float = 1.0) -> None:
@@ -256,17 +314,30 @@ class AutoChooser:
         that load on its own path, took ``seconds`` for ``tokens`` output tokens."""
         if tokens <= 0 or seconds <= 0 or purity < self.settings.min_purity:
             return
-        self._level(bucket(load)).figures[path].add(seconds, tokens)
+        level = self._level(bucket(load))
+        run = _Run(self.clock(), seconds, tokens)
+        other = level.figures["large" if path == "relay" else "relay"]
+        near = other.since(run.end - (self.settings.block_turnovers + 1) * seconds)
+        if len(near) >= MIN_PAIRED:
+            level.pairs.append(_Pair(path, seconds, tokens * (_s_per_token(near) or 0.0)))
+        level.figures[path].add(run)
 
     def state(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
-        """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples."""
-        return {
-            str(b): {
+        """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples, and what its
+        pairs say (``pairs``: ``relay_over_large``, relay's time per token over the large path's, from
+        ``count`` generations set beside the other path's of the same time)."""
+        out: dict[str, dict[str, dict[str, float | int | None]]] = {}
+        for b, level in sorted(self.levels.items()):
+            out[str(b)] = {
                 p: {
                     "ms_per_token": None if f.s_per_token is None else round(1000 * f.s_per_token, 3),
                     "samples": f.samples,
                 }
                 for p, f in level.figures.items()
             }
-            for b, level in sorted(self.levels.items())
-        }
+            ratio = level.relay_over_large()
+            out[str(b)]["pairs"] = {
+                "relay_over_large": None if ratio is None else round(ratio, 4),
+                "count": len(level.pairs),
+            }
+        return out

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from relay_serve.relay.auto import AutoChooser, AutoSettings, LoadClock, bucket
+from relay_serve.relay.auto import PATHS, AutoChooser, AutoSettings, LoadClock, bucket
 
 
 def test_load_levels_are_the_nearest_powers_of_two_on_a_log_scale():
@@ -50,7 +50,7 @@ def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
         chooser.record(path, clock.mean_since(mark), cost[64][path] * 100, 100)
     for _, mark in burst:
         clock.leave(mark)
-    taught = {level for level, figures in chooser.state().items() if any(f["samples"] for f in figures.values())}
+    taught = {level for level, figures in chooser.state().items() if any(figures[p]["samples"] for p in PATHS)}
     assert taught == {"64"}
     alone = Counter()
     for _ in range(100):
@@ -220,6 +220,41 @@ def test_relay_that_is_faster_alone_but_slower_for_all_is_not_chosen():
             chosen[path] += 1
     assert cost("relay", 1.0) > cost("large", 0.0) and cost("relay", 0.0) < cost("large", 0.0)
     assert chosen["large"] > 0.9 * sum(chosen.values())
+
+
+def test_a_machine_whose_speed_drifts_does_not_turn_the_comparison_of_the_paths_around():
+    """Relay is 10% faster than the large path at every moment, at level 8. Both are learnt; after a
+    pause the whole machine runs a round 20% slower (another process, a slow minute), then two at
+    full speed. Comparing each path's own last figures, relay's from the slow round (12 ms a token)
+    against the large path's from before it (11) turns to the large path, whose figure then comes
+    from the fast rounds (11) against relay's from the slow one: the large path for good, but for
+    the explore blocks (the bench at 8 relayed a slow round, then ran the large path while relay was
+    3-13% faster). Compared only with generations of the same time, relay stays faster."""
+    now = FakeTime()
+    chooser = AutoChooser(AutoSettings(), clock=now)  # min_samples 8, window 32, blocks of 16 at level 8
+    speed = {"relay": 0.010, "large": 0.011}  # s per token when the machine runs at full speed
+
+    def serve(blocks: int, slowdown: float) -> list[set[str]]:
+        """Blocks of 8 clients: each block's 16 generations start before the first of them ends."""
+        ran = []
+        for _ in range(blocks):
+            paths = [chooser.choose(8) for _ in range(16)]
+            for path in paths:
+                seconds = speed[path] * slowdown * 100
+                now.t += seconds / 8  # 8 in flight: one ends every eighth of a life
+                chooser.record(path, 8, seconds, 100)
+            ran.append(set(paths))
+        return ran
+
+    assert serve(4, 1.0) == [{"relay"}, {"large"}, {"relay"}, {"relay"}]  # one block of each to learn
+    now.t += 600.0  # the bench runs the other modes' rounds
+    rounds = serve(2, 1.2)
+    now.t += 600.0
+    rounds += serve(2, 1.0)
+    now.t += 600.0
+    rounds += serve(2, 1.0)
+    assert rounds == [{"relay"}] * 6
+    assert chooser.state()["8"]["pairs"]["relay_over_large"] == pytest.approx(10 / 11, rel=0.01)
 
 
 def test_a_path_is_judged_by_its_seconds_over_its_tokens_not_by_the_mean_of_its_generations_ratios():
