@@ -252,15 +252,20 @@ class _Level:
         self.figures = {p: _Figure(self.window) for p in PATHS}
         self.pairs = deque(maxlen=self.window)
 
+    def over_other(self, path: Path) -> tuple[float | None, int]:
+        """By ``path``'s pairs in the window: its seconds over what its tokens took the other path
+        at the same time (None without pairs), and how many."""
+        own = [p for p in self.pairs if p.path == path]
+        return (sum(p.seconds for p in own) / sum(p.other_seconds for p in own) if own else None), len(own)
+
     def relay_over_large(self) -> float | None:
         """Relay's seconds per token over the large path's, by the pairs: the geometric mean of relay's
         (relay against large) and the inverse of the large path's, weighted by their numbers."""
         logs = 0.0
         for path in PATHS:
-            own = [p for p in self.pairs if p.path == path]
-            if own:
-                ratio = sum(p.seconds for p in own) / sum(p.other_seconds for p in own)
-                logs += len(own) * math.log(ratio) * (1 if path == "relay" else -1)
+            ratio, n = self.over_other(path)
+            if ratio is not None:
+                logs += n * math.log(ratio) * (1 if path == "relay" else -1)
         return math.exp(logs / len(self.pairs)) if self.pairs else None
 
 
@@ -323,21 +328,18 @@ class AutoChooser:
         level.figures[path].add(run)
 
     def state(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
-        """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples, and what its
-        pairs say (``pairs``: ``relay_over_large``, relay's time per token over the large path's, from
-        ``count`` generations set beside the other path's of the same time)."""
+        """For ``/v1/relay/stats``: each load level's figures (ms per token) and samples, and what each
+        path's pairs in the window say (``over_other``: its seconds over what its tokens took the other
+        path at the same time, from ``pairs`` generations)."""
         out: dict[str, dict[str, dict[str, float | int | None]]] = {}
         for b, level in sorted(self.levels.items()):
-            out[str(b)] = {
-                p: {
+            out[str(b)] = {}
+            for p in PATHS:
+                f, (ratio, n) = level.figures[p], level.over_other(p)
+                out[str(b)][p] = {
                     "ms_per_token": None if f.s_per_token is None else round(1000 * f.s_per_token, 3),
                     "samples": f.samples,
+                    "over_other": None if ratio is None else round(ratio, 4),
+                    "pairs": n,
                 }
-                for p, f in level.figures.items()
-            }
-            ratio = level.relay_over_large()
-            out[str(b)]["pairs"] = {
-                "relay_over_large": None if ratio is None else round(ratio, 4),
-                "count": len(level.pairs),
-            }
         return out

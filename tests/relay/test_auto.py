@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from relay_serve.relay.auto import PATHS, AutoChooser, AutoSettings, LoadClock, bucket
+from relay_serve.relay.auto import AutoChooser, AutoSettings, LoadClock, bucket
 
 
 def test_load_levels_are_the_nearest_powers_of_two_on_a_log_scale():
@@ -50,7 +50,7 @@ def test_a_burst_teaches_the_level_it_ran_under_not_the_one_it_started_at():
         chooser.record(path, clock.mean_since(mark), cost[64][path] * 100, 100)
     for _, mark in burst:
         clock.leave(mark)
-    taught = {level for level, figures in chooser.state().items() if any(figures[p]["samples"] for p in PATHS)}
+    taught = {level for level, figures in chooser.state().items() if any(f["samples"] for f in figures.values())}
     assert taught == {"64"}
     alone = Counter()
     for _ in range(100):
@@ -254,7 +254,11 @@ def test_a_machine_whose_speed_drifts_does_not_turn_the_comparison_of_the_paths_
     now.t += 600.0
     rounds += serve(2, 1.0)
     assert rounds == [{"relay"}] * 6
-    assert chooser.state()["8"]["pairs"]["relay_over_large"] == pytest.approx(10 / 11, rel=0.01)
+    level = chooser.state()["8"]
+    assert level["relay"]["over_other"] == pytest.approx(10 / 11, rel=0.01)
+    assert level["relay"]["pairs"] + level["large"]["pairs"] == 32 and level["large"]["over_other"] == pytest.approx(
+        11 / 10, rel=0.01
+    )
 
 
 def test_a_path_is_judged_by_its_seconds_over_its_tokens_not_by_the_mean_of_its_generations_ratios():
