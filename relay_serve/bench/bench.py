@@ -9,9 +9,10 @@ the small model's cost per token in ``relay-serve toy speed``) and ``toy:small``
    model as its draft model, ``spec_tokens`` a step: ``large+spec`` and ``relay+spec``), and vLLM's
    own OpenAI server with the large model and the same engine arguments (``vllm-large``);
 3. **rounds**, for each sampling profile (``greedy``, ``paper``): in each round every mode runs at
-   each concurrency on the same prompts and seeds, the modes in an order that rotates from round
-   to round; every response is graded (pass@1); a request the service refuses (a speculative
-   vLLM-CPU engine runs greedy sampling only) is a result, counted as refused;
+   each concurrency on the same prompts and seeds, the modes in an order that is reversed every
+   other round and rotates every two (``round_order``); every response is graded (pass@1); a
+   request the service refuses (a speculative vLLM-CPU engine runs greedy sampling only) is a
+   result, counted as refused;
 4. optionally, relay on an app that differs in one setting (a new engine request per segment, the
    handle transport, a small-queue bound) deployed beside the default app, the two interleaved in
    rounds of their own;
@@ -347,7 +348,7 @@ def rounds(
     desc: str = "bench",
     sampling: str = "paper",
 ) -> list[RunMetrics]:
-    """Every mode at every concurrency, ``s.rounds`` times; the order of the modes rotates. A
+    """Every mode at every concurrency, ``s.rounds`` times, the modes in ``round_order``. A
     mode whose warm-up fails (its engine cannot run this sampling) runs anyway: its refusals are
     results."""
     from tqdm import tqdm
@@ -361,12 +362,23 @@ def rounds(
         total=s.rounds * len(s.concurrency) * len(modes), desc=f"{desc} ({sampling})", disable=not progress
     ) as bar:
         for k in range(s.rounds):
-            order = modes[k % len(modes) :] + modes[: k % len(modes)]
+            order = round_order(modes, k)
             for c in s.concurrency:
                 for mode in order:
                     runs.append(measure(found[mode], mode, s, problems, c, k, sampling))
                     bar.update(1)
     return runs
+
+
+def round_order(modes: list[str], k: int) -> list[str]:
+    """The order of the modes in round ``k``: rotated by ``k // 2``, reversed in odd rounds. Any two
+    rounds 2j and 2j + 1 run each pair of modes once each way round and give every mode the same
+    mean place, so that what a place costs (a machine that speeds up or slows down over a round,
+    the engines' state that the mode before leaves) falls on every mode alike; by rotation alone,
+    two rounds of five modes ran ``auto`` right after ``relay`` both times."""
+    shift = (k // 2) % len(modes) if modes else 0
+    order = modes[shift:] + modes[:shift]
+    return order[::-1] if k % 2 else order
 
 
 def learning_requests(s: BenchSettings, concurrency: int) -> int:

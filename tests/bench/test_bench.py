@@ -497,3 +497,19 @@ def test_auto_is_measured_against_the_fixed_mode_that_was_best_over_all_rounds()
     (line,) = report.summaries()
     assert line["levels"][0]["auto_over_best"] == {"auto": lv.auto["auto"].p50_ratio.median}
     assert f"| 8 | auto | relay | {lv.auto['auto'].p50_ratio.text()} | 1 [0-1] |" in markdown(report)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_two_rounds_run_each_pair_of_modes_once_each_way_round_and_every_mode_at_the_same_mean_place(n: int):
+    from relay_serve.bench.bench import round_order
+
+    modes = [f"m{i}" for i in range(n)]
+    for j in range(4):
+        first, second = round_order(modes, 2 * j), round_order(modes, 2 * j + 1)
+        assert sorted(first) == sorted(second) == modes
+        for a in modes:
+            for b in modes:
+                if a != b:
+                    assert (first.index(a) < first.index(b)) != (second.index(a) < second.index(b))
+            assert first.index(a) + second.index(a) == n - 1
+    assert n < 2 or len({round_order(modes, 2 * j)[0] for j in range(n)}) == n  # each mode leads a round pair
