@@ -15,6 +15,7 @@ from relay_serve.engine.base import (
     ResumableRequest,
     SpecDecodeCounts,
 )
+from relay_serve.engine.ipc import own_ipc_dir, remove
 from relay_serve.engine.stops import PauseIds
 from relay_serve.protocol import (
     EngineChunk,
@@ -57,9 +58,10 @@ class VLLMEngine(Engine):
         loggers = _stat_loggers(ray_metrics) or []
         if self.spec_counts is not None:
             loggers.append(_spec_counter(self.spec_counts))
-        self.engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args), stat_loggers=loggers or None
-        )
+        with own_ipc_dir() as self._ipc:
+            self.engine = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(model=model, tokenizer=tokenizer or model, **args), stat_loggers=loggers or None
+            )
         self._max_model_len = int(self.engine.model_config.max_model_len)
         self._tokenizer = _hf_tokenizer(self.engine)
         self._fingerprint = tokenizer_fingerprint(self._tokenizer)
@@ -155,7 +157,10 @@ class VLLMEngine(Engine):
         await self.engine.check_health()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        finally:
+            remove(self._ipc)
 
 
 class VLLMResumable(ResumableRequest):
@@ -352,12 +357,16 @@ class OfflineEngine:
     def __init__(self, model: str, engine_args: dict[str, Any] | None = None) -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=model, **{"enable_prefix_caching": True, **(engine_args or {})})
+        with own_ipc_dir() as self._ipc:
+            self.llm = LLM(model=model, **{"enable_prefix_caching": True, **(engine_args or {})})
 
     def shutdown(self) -> None:
         """Stop the engine-core process now (else vLLM does it at interpreter exit, logging to
         streams that may be closed by then)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            remove(self._ipc)
 
     def __enter__(self) -> OfflineEngine:
         return self

@@ -24,6 +24,33 @@ def test_large_is_accurate_and_small_is_not_on_a_quick_check():
     assert small.accuracy <= 0.7 and large.accuracy - small.accuracy >= 0.25
 
 
+def _sockets(folder) -> set:
+    import stat
+    from pathlib import Path
+
+    return {p for p in Path(folder).iterdir() if stat.S_ISSOCK(p.lstat().st_mode)}
+
+
+def test_an_engines_ipc_sockets_live_in_a_folder_of_its_own_that_goes_with_it():
+    """vLLM leaves its engine's ZMQ IPC socket files in the temp dir even at a clean shutdown (7 for
+    a vLLM-CPU engine): they now go into a folder of the engine's own, removed at shutdown."""
+    import tempfile
+
+    from relay_serve.config import resolve_model
+    from relay_serve.engine.vllm_engine import VLLMEngine
+
+    tmp = tempfile.gettempdir()
+    before = _sockets(tmp)
+    path = resolve_model("toy:small")
+    engine = VLLMEngine(path, path, TOY_ENGINE_ARGS)
+    try:
+        folder = engine._ipc
+        assert _sockets(folder) and _sockets(tmp) == before
+    finally:
+        engine.shutdown()
+    assert not folder.exists() and _sockets(tmp) == before
+
+
 def test_async_engine_streams_stops_and_scores():
     from relay_serve.config import resolve_model
     from relay_serve.engine.vllm_engine import VLLMEngine
