@@ -63,6 +63,6 @@ def own_ipc_dir(root: str | None = None) -> Iterator[Path]:
             os.environ[ENV] = before
 
 
-def remove(folder: Path | None) -> None:
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
+def remove(folder: Path) -> None:
+    """Remove an engine's folder (at its shutdown), its sockets with it."""
+    shutil.rmtree(folder, ignore_errors=True)

@@ -58,6 +58,11 @@ Path = Literal["relay", "large"]
 PATHS: tuple[Path, ...] = ("relay", "large")
 
 
+def other(path: Path) -> Path:
+    """The path that is not ``path``."""
+    return "large" if path == "relay" else "relay"
+
+
 class AutoSettings(BaseModel):
     """How ``auto`` learns (the ``policy.auto`` section of the app config)."""
 
@@ -312,7 +317,7 @@ class AutoChooser:
         if ratio is None:  # no generation of either ran near one of the other: their own figures
             ratio = (level.figures["relay"].s_per_token or 0.0) / (level.figures["large"].s_per_token or 1.0)
         best: Path = "relay" if ratio <= 1.0 else "large"
-        return next(p for p in PATHS if p != best) if level.blocks % self.settings.explore_every == 0 else best
+        return other(best) if level.blocks % self.settings.explore_every == 0 else best
 
     def record(self, path: Path, load: float, seconds: float, tokens: int, purity: float = 1.0) -> None:
         """A generation of ``path`` that ran under ``load`` in flight (its mean), ``purity`` of
@@ -321,8 +326,7 @@ class AutoChooser:
             return
         level = self._level(bucket(load))
         run = _Run(self.clock(), seconds, tokens)
-        other = level.figures["large" if path == "relay" else "relay"]
-        near = other.since(run.end - (self.settings.block_turnovers + 1) * seconds)
+        near = level.figures[other(path)].since(run.end - (self.settings.block_turnovers + 1) * seconds)
         if len(near) >= MIN_PAIRED:
             level.pairs.append(_Pair(path, seconds, tokens * (_s_per_token(near) or 0.0)))
         level.figures[path].add(run)
