@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_serve.config import ModelSettings
+from relay_serve.engine import ipc
 
 
 def engine_cli_args(engine_args: dict[str, Any]) -> list[str]:
@@ -55,6 +56,7 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen | None = None
         self._log_file = None
+        self.ipc_dir: Path | None = None  # the server's IPC sockets, while it runs
 
     @property
     def base(self) -> str:
@@ -79,13 +81,19 @@ class VLLMServer:
         ]
 
     def env(self) -> dict[str, str]:
+        """The deployment's environment; vLLM's IPC sockets in a folder of the server's own (vLLM
+        leaves them in the temp dir otherwise: ``relay_serve/engine/ipc.py``)."""
         runtime_env = self.model.deployment.ray_actor_options.get("runtime_env") or {}
-        return {**os.environ, **(runtime_env.get("env_vars") or {})}
+        env = {**os.environ, **(runtime_env.get("env_vars") or {})}
+        if self.ipc_dir is not None:
+            env[ipc.ENV] = str(self.ipc_dir)
+        return env
 
     def __enter__(self) -> VLLMServer:
         import httpx
 
         self._log_file = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 - closed in __exit__
+        self.ipc_dir = ipc.new_dir()
         self._proc = subprocess.Popen(self.command(), env=self.env(), stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -113,3 +121,6 @@ class VLLMServer:
                 self._proc.wait()
         if self._log_file not in (None, subprocess.DEVNULL):
             self._log_file.close()
+        if self.ipc_dir is not None:
+            ipc.remove(self.ipc_dir)
+            self.ipc_dir = None

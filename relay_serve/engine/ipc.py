@@ -41,14 +41,21 @@ def sweep(root: str | None = None) -> list[Path]:
     return removed
 
 
+def new_dir(root: str | None = None) -> Path:
+    """A new folder for one engine's sockets, named after this process (the folders of processes that
+    no longer run are swept first). An engine started as a subprocess (vLLM's own server) gets it as
+    its ``VLLM_RPC_BASE_PATH``; whoever made it removes it with :func:`remove`."""
+    sweep(root)
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
+
+
 @contextlib.contextmanager
 def own_ipc_dir(root: str | None = None) -> Iterator[Path]:
     """While an engine starts: ``VLLM_RPC_BASE_PATH`` names a new folder of this process (given
     back; the caller removes it with :func:`remove` when the engine shuts down). The variable is set
     back afterwards: vLLM chooses its socket paths while it starts, and the engine-core process takes
     the environment when it is spawned."""
-    sweep(root)
-    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
+    folder = new_dir(root)
     before = os.environ.get(ENV)
     os.environ[ENV] = str(folder)
     try:

@@ -263,7 +263,8 @@ def test_engines_time_their_requests_on_the_real_app(relay_app):
 @pytest.mark.vllm
 def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
     """The baseline runs the same engine with the same arguments: for a seed, relay-serve's large
-    mode (whose single engine request samples with the request's seed) and vLLM's server agree."""
+    mode (whose single engine request samples with the request's seed) and vLLM's server agree.
+    The server's IPC sockets are in a folder of its own, gone when it stops."""
     import asyncio
 
     from relay_serve.bench.bench import fire
@@ -281,6 +282,9 @@ def test_vllm_serve_writes_what_the_large_mode_writes(relay_app, tmp_path):
         theirs, _ = asyncio.run(
             fire(vllm.base, [chat_body(vllm.served_name, p, seed=7 + i, **body) for i, p in enumerate(prompts)], 2)
         )
+        folder = vllm.ipc_dir
+        assert folder is not None and any(f.is_socket() for f in folder.iterdir())
+    assert not folder.exists()
     texts = [[r["choices"][0]["message"]["content"] for r in rs] for rs in (ours, theirs)]
     assert texts[0] == texts[1] and all("</think>" in t for t in texts[0])
 
