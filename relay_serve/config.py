@@ -341,13 +341,9 @@ class RouterSettings(Strict):
 
 
 def default_env_vars() -> dict[str, str]:
-    # THROUGHPUT_OPTIMIZED: Ray Serve runs user code and handle routing on the replica's own event
-    # loop: a handle call here took 1.4 ms instead of 3.3 (5.4 -> 2.1 ms streamed), which is most of
-    # a handoff's cost. ENABLE_HA_PROXY: the HTTP port is HAProxy's, which forwards each request to
-    # the router replica's own HTTP server (Serve's direct ingress) instead of Serve's Python proxy
-    # relaying it over Ray: a relay request's time outside the router at concurrency 8 went from
-    # 52 to 20-31 ms (the bench's toy pair). Both are read where Serve's controller starts.
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    # Ray Serve runs user code and handle routing on the replica's own event loop: a handle call
+    # here took 1.4 ms instead of 3.3 (5.4 -> 2.1 ms streamed), which is most of a handoff's cost.
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 class AppConfig(Strict):

@@ -122,7 +122,7 @@ def markdown(report: BenchReport) -> str:
         "Where a relay request's time goes (ms, mean a request): its tokens at their models' decode cost, the rest of "
         "the time inside the engines: the generation's first token (its prompt's prefill and the wait for it, as the "
         "large model alone pays) and the handoffs (prefill of the other model's tokens, a resumed segment's wait for "
-        "its first token, pauses), the router, and outside the router (HTTP: HAProxy, the router's server):",
+        "its first token, pauses), the router, and outside the router (HTTP, Serve's proxy):",
         "",
         "| sampling | concurrency | decode | first token | handoffs | router | outside the router |",
         "|---|---|---|---|---|---|---|",

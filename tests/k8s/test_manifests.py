@@ -338,17 +338,3 @@ def test_every_pod_with_a_serve_proxy_is_ready_only_when_the_app_can_serve():
         assert probe is not None, name
         assert probe["httpGet"] == {"path": prefix + "/health", "port": port}, name
         assert "livenessProbe" not in container, name  # KubeRay's own (raylet and GCS health) stays
-
-
-def test_every_pod_serves_http_through_haproxy_as_the_local_default_does():
-    """Serve's controller reads RAY_SERVE_ENABLE_HA_PROXY from its own process: on KubeRay that is
-    every pod's environment (the app's env_vars reach only its deployments), set as the config
-    default sets it for a local Ray."""
-    (svc,) = documents("rayservice.yaml")
-    cluster = svc["spec"]["rayClusterConfig"]
-    wanted = {k: v for k, v in AppConfig().env_vars.items() if k.startswith("RAY_SERVE_")}
-    assert wanted.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
-    for name, group in [("head", cluster["headGroupSpec"])] + list(_groups(svc["spec"]).items()):
-        (container,) = group["template"]["spec"]["containers"]
-        env = {e["name"]: e.get("value") for e in container.get("env", [])}
-        assert {k: env.get(k) for k in wanted} == wanted, name
