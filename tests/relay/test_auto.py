@@ -1,6 +1,7 @@
 """The auto model's chooser: it learns each path's speed per load level, in blocks of one path that
 are twice the level's size, from generations that ran among their own path, takes the faster one,
-still running the other one block in ``explore_every``, and follows a change of speed."""
+still running the other one block in ``explore_every`` (less often when the margin is wide), and
+follows a change of speed."""
 
 from __future__ import annotations
 
@@ -137,11 +138,15 @@ def run(chooser: AutoChooser, load: int, n: int, s_per_token: dict[str, float]) 
 def test_it_tries_both_then_takes_the_faster_path_per_load_level():
     chooser = AutoChooser(AutoSettings(min_samples=4, explore_every=20))
     low = run(chooser, 1, 200, {"relay": 0.010, "large": 0.013})  # relay faster when the engines are idle
-    # blocks of 2: relay, large, relay, large (4 of each learnt), then relay but blocks 20, 40, ... 100
-    assert low == {"relay": 200 - 14, "large": 4 + 5 * 2}
-    high = run(chooser, 32, 64 * 40, {"relay": 0.006, "large": 0.005})  # large faster under load
-    # blocks of 64: relay, large, then large but blocks 20 and 40 explore relay
-    assert high == {"relay": 3 * 64, "large": 37 * 64}
+    # blocks of 2: relay, large, relay, large (4 of each learnt), then 96 blocks of relay; the margin,
+    # ln 1.3 = 0.26, is over 4 x explore_margin (0.05): one block in 20 x 4 = 80 explores the large path
+    assert low == {"relay": 200 - 6, "large": 4 + 2}
+    close = run(chooser, 2, 400, {"relay": 0.0100, "large": 0.0103})  # a margin of 0.03: one block in 20
+    # blocks of 4: relay, large (4 of each learnt), then 98 blocks: the 20th, 40th, 60th and 80th explore
+    assert close == {"relay": 4 + 94 * 4, "large": 4 + 4 * 4}
+    high = run(chooser, 32, 64 * 100, {"relay": 0.006, "large": 0.005})  # large faster under load
+    # blocks of 64: relay, large, then 98 of large; margin ln 1.2 = 0.18: one block in 20 x 3.65 = 73 explores
+    assert high == {"relay": 2 * 64, "large": 98 * 64}
     state = chooser.state()
     assert state["1"]["relay"]["ms_per_token"] == pytest.approx(10.0) and state["32"]["large"][
         "ms_per_token"
