@@ -4,6 +4,7 @@ so that ``relay-serve --help`` and the toy commands start fast."""
 from __future__ import annotations
 
 import json
+import sys
 from enum import StrEnum
 from pathlib import Path
 
@@ -30,6 +31,12 @@ def _setup() -> None:
 app.add_typer(toy_app, name="toy")
 cues_app = typer.Typer(help="The pair's cue set versions in the store: history, rollback, unpin.", no_args_is_help=True)
 app.add_typer(cues_app, name="cues")
+
+
+def show_progress(as_json: bool) -> bool:
+    """Progress bars (tqdm, on stderr) for long work: always in text mode, and with ``--json`` when
+    stderr is a terminal (the JSON is on stdout; a pipe or a log file gets no bars then)."""
+    return not as_json or sys.stderr.isatty()
 
 
 class ToyModel(StrEnum):
@@ -92,7 +99,7 @@ def toy_eval(
     """Greedy accuracy of one toy model on held-out problems, decoded through vLLM."""
     from relay_serve.eval.toy_models import evaluate_model
 
-    result = evaluate_model(model.value, n=n, seed=seed, models_dir=models_dir, progress=not as_json)
+    result = evaluate_model(model.value, n=n, seed=seed, models_dir=models_dir, progress=show_progress(as_json))
     if as_json:
         typer.echo(json.dumps(result.summary()))
     else:
@@ -228,10 +235,10 @@ def eval_cmd(
     )
     try:
         if answer_agreement:
-            result = run_agreement(s, url, out, progress=not as_json)
+            result = run_agreement(s, url, out, progress=show_progress(as_json))
             typer.echo(json.dumps(result.model_dump()) if as_json else json.dumps(result.model_dump(), indent=2))
             return
-        summary = run_eval(s, url, out, progress=not as_json)
+        summary = run_eval(s, url, out, progress=show_progress(as_json))
     except DatasetError as e:
         raise typer.BadParameter(str(e), param_hint="--dataset") from e
     if not as_json:
@@ -385,7 +392,7 @@ def bench_cmd(
     cfg = _load_config(config) if config is not None else None
     folder = out or envs.state_dir() / "bench" / time.strftime("%Y%m%dT%H%M%S")
     command = recorded_command(sys.argv[1:])
-    report = run_bench(s, folder, cfg=cfg, progress=not as_json, command=command)
+    report = run_bench(s, folder, cfg=cfg, progress=show_progress(as_json), command=command)
     if as_json:
         for line in summary_lines(report):
             typer.echo(line)
@@ -410,7 +417,7 @@ def soak_cmd(
 
     s = SoakSettings(clients=clients, duration_s=duration, max_tokens=max_tokens)
     with service(url) as base:
-        report = run_soak(base, s, progress=not as_json)
+        report = run_soak(base, s, progress=show_progress(as_json))
     if as_json:
         typer.echo(json.dumps(report))
     else:
@@ -477,7 +484,7 @@ def batch_cmd(
     except ValidationError as e:
         raise typer.BadParameter("; ".join(_validation_messages(e))) from e
     try:
-        summary = run_batch(s, progress=not as_json, cfg=cfg)
+        summary = run_batch(s, progress=show_progress(as_json), cfg=cfg)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e), param_hint="--input") from e
     if as_json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from relay_serve.cli import app
@@ -68,3 +69,22 @@ def test_a_report_records_its_command_without_the_machines_output_folder():
         == "relay-serve bench --concurrency 1,8 --out DIR --json"
     )
     assert recorded_command(["bench", "--out=/tmp/a b"]) == "relay-serve bench --out=DIR"
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_json_output_keeps_its_progress_bars_on_a_terminal_only(monkeypatch, tty):
+    """`--json` prints its JSON on stdout; the bars go to stderr, shown when a person watches it (an
+    87-minute bench run showed nothing at all), never into a pipe or a log."""
+    from relay_serve import cli
+
+    monkeypatch.setattr(cli.sys, "stderr", _Stream(tty))
+    assert cli.show_progress(as_json=True) is tty
+    assert cli.show_progress(as_json=False) is True
