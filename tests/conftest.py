@@ -32,12 +32,24 @@ def ray_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def relay_app(ray_cluster):
-    """The default app (toy pair, session affinity) on a free port; yields its base URL."""
+def serve_port(ray_cluster):
+    """Serve, started once for the session with its HTTP proxy on a free port: a test's own
+    ``serve.run`` before it would start Serve on port 8000, and Serve ignores the port of every later
+    ``serve.start`` (the session app then answered on 8000, not on its URL)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+@pytest.fixture(scope="session")
+def relay_app(serve_port):
+    """The default app (toy pair, session affinity) on Serve's port; yields its base URL."""
     from relay_serve.app.local import start
     from relay_serve.config import AppConfig
 
-    url = start(AppConfig(), host="127.0.0.1", port=free_port())
+    url = start(AppConfig(), host="127.0.0.1", port=serve_port)
     yield url
 
 
@@ -69,7 +81,7 @@ def _slow_work_is_marked(request):
     if any(request.node.get_closest_marker(m) for m in SLOW_MARKERS):
         yield
         return
-    if {"ray_cluster", "relay_app"} & set(request.fixturenames):
+    if {"ray_cluster", "serve_port", "relay_app"} & set(request.fixturenames):
         pytest.fail(f"{request.node.nodeid} uses the Ray app fixtures without a {' or '.join(SLOW_MARKERS)} marker")
     ray_before, engines_before, vllm_before = _ray_up(), _engines_started, "vllm" in sys.modules
     yield

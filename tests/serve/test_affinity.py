@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.serve
 
 
-def test_a_request_waiting_for_a_full_replica_does_not_spin(ray_cluster):
+def test_a_request_waiting_for_a_full_replica_does_not_spin(serve_port):
     import asyncio
 
     from ray import serve

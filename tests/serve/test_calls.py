@@ -173,7 +173,7 @@ class Caller:
 
 
 @pytest.mark.serve
-def test_on_real_serve_a_waiting_call_is_placed_after_a_sibling_is_cancelled(ray_cluster, tmp_path, monkeypatch):
+def test_on_real_serve_a_waiting_call_is_placed_after_a_sibling_is_cancelled(serve_port, tmp_path, monkeypatch):
     """Two calls made while serving one request wait for the busy replica of a deployment routed
     by SessionAffinityRouter; the first is cancelled; the second is placed once the replica frees."""
     import importlib
